@@ -176,8 +176,10 @@ def write_metadata(variant_dir: Path, cfg: KernelConfig, sid: SourceId, ops_name
         "backend": backend,
         "digest": file_digest(variant_dir),
         "provenance": {
-            "kernel-builder": {"version": f"{BUILDER_NAME}-{BUILDER_VERSION}", "commit": None, "dirty": False},
-            "kernel": {"commit": sid.commit, "dirty": sid.dirty},
+            # The builder lives in this repository, so its commit is the kernel's.
+            "kernel-builder": {"version": f"{BUILDER_NAME}-{BUILDER_VERSION}", "commit": sid.commit or "unknown",
+                               "dirty": sid.dirty},
+            "kernel": {"commit": sid.commit or "unknown", "dirty": sid.dirty},
         },
     }
     (variant_dir / "metadata.json").write_text(json.dumps(meta, indent=2) + "\n")

@@ -1,0 +1,23 @@
+"""GeGLU kernels: ``out = gelu(gate) * up`` (exact and tanh GELU), forward and backward, fp32/fp16/bf16.
+
+CUDA tensors run the compiled CUDA library when this build variant ships it, else Triton kernels; CPU tensors run
+a CPU implementation with eager PyTorch's numerics. See ``set_backend`` to choose explicitly.
+"""
+
+from . import layers
+from ._backend import get_backend, set_backend
+from ._ops import HAS_CUDA_LIB, ops
+from .functional import geglu, geglu_backward, geglu_packed, gelu_and_mul, gelu_tanh_and_mul
+
+__all__ = [
+    "geglu",
+    "geglu_packed",
+    "geglu_backward",
+    "gelu_and_mul",
+    "gelu_tanh_and_mul",
+    "set_backend",
+    "get_backend",
+    "HAS_CUDA_LIB",
+    "ops",
+    "layers",
+]

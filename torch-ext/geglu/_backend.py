@@ -1,0 +1,57 @@
+"""Which implementation runs: the compiled CUDA library, the Triton kernels, or the CPU implementation.
+
+* ``auto`` (default): CUDA tensors use the compiled library when this build variant has it, else Triton; CPU
+  tensors use the CPU implementation.
+* ``cuda``: CUDA tensors must use the compiled library (an error if this variant has none).
+* ``triton``: always the Triton kernels, CPU tensors too (meaningful under ``TRITON_INTERPRET=1``; for tests).
+
+Set it with :func:`set_backend` or the environment variable ``GEGLU_BACKEND``.
+"""
+
+import os
+
+from ._ops import HAS_CUDA_LIB
+
+BACKENDS = ("auto", "cuda", "triton")
+
+_backend = os.environ.get("GEGLU_BACKEND", "auto").strip().lower() or "auto"
+if _backend not in BACKENDS:
+    raise ValueError(f"GEGLU_BACKEND={_backend!r} is not a backend; expected one of {', '.join(BACKENDS)}.")
+
+
+def set_backend(name: str) -> None:
+    """Choose the implementation: 'auto', 'cuda' (the compiled library) or 'triton'."""
+    global _backend
+    name = name.strip().lower()
+    if name not in BACKENDS:
+        raise ValueError(f"geglu.set_backend({name!r}): expected one of {', '.join(BACKENDS)}.")
+    if name == "cuda" and not HAS_CUDA_LIB:
+        raise RuntimeError(
+            "geglu.set_backend('cuda'): this build variant has no compiled CUDA library (it is a Triton/CPU "
+            "variant). Load the torch-stable-abi* variant, or use 'triton' / 'auto'."
+        )
+    _backend = name
+
+
+def get_backend() -> str:
+    return _backend
+
+
+def impl_for(device_type: str) -> str:
+    """The implementation that runs for tensors on ``device_type``: 'cuda', 'triton' or 'cpu'."""
+    if _backend == "triton":
+        return "triton"
+    if device_type == "cuda":
+        if HAS_CUDA_LIB:
+            return "cuda"
+        if _backend == "cuda":
+            raise RuntimeError(
+                "geglu: the backend is 'cuda' (GEGLU_BACKEND) but this build variant has no compiled CUDA library; "
+                "load the torch-stable-abi* variant, or choose 'triton' / 'auto'."
+            )
+        return "triton"
+    if device_type == "cpu":
+        return "cpu"
+    raise NotImplementedError(
+        f"geglu: tensors on {device_type!r} are not supported; expected CUDA or CPU tensors."
+    )

@@ -1,0 +1,273 @@
+"""torch.library custom ops (namespace from `_ops.add_op_namespace_prefix`), each with a fake implementation and,
+for the functional forms, autograd; so `torch.compile(fullgraph=True)` sees them as opaque ops and
+`torch.library.opcheck` passes. The real implementations pick the compiled CUDA library, Triton or the CPU
+implementation per call (see `_backend`)."""
+
+from typing import Tuple
+
+import torch
+from torch import Tensor
+
+from . import _backend, _cpu
+from ._checks import check_backward, check_packed, check_split
+from ._ops import add_op_namespace_prefix, ops
+
+_triton_mod = None
+
+
+def _triton():
+    global _triton_mod
+    if _triton_mod is None:
+        from . import _triton as mod
+
+        _triton_mod = mod
+    return _triton_mod
+
+
+# --- 2-D row views --------------------------------------------------------------------------------------------
+
+
+def _rows(t: Tensor, n: int) -> Tensor:
+    """``t[..., n]`` as a 2-D ``[M, n]`` tensor with one row stride, without a copy when the leading dims allow it
+    (contiguous tensors, packed halves, chunk views); a copy otherwise (inputs only)."""
+    if t.dim() == 2:
+        return t
+    try:
+        return t.view(-1, n)
+    except RuntimeError:
+        return t.reshape(-1, n)
+
+
+def _run_fwd(out2: Tensor, g2: Tensor, u2: Tensor, approximate: str) -> None:
+    impl = _backend.impl_for(g2.device.type)
+    if impl == "cuda":
+        ops.geglu_fwd(out2, g2, u2, approximate == "tanh")
+    elif impl == "triton":
+        _check_triton_device(g2)
+        _triton().geglu_fwd(out2, g2, u2, approximate == "tanh")
+    else:
+        _cpu.geglu_fwd(out2, g2, u2, approximate)
+
+
+def _run_bwd(dg2: Tensor, du2: Tensor, dy2: Tensor, g2: Tensor, u2: Tensor, approximate: str) -> None:
+    impl = _backend.impl_for(g2.device.type)
+    if impl == "cuda":
+        ops.geglu_bwd(dg2, du2, dy2, g2, u2, approximate == "tanh")
+    elif impl == "triton":
+        _check_triton_device(g2)
+        _triton().geglu_bwd(dg2, du2, dy2, g2, u2, approximate == "tanh")
+    else:
+        _cpu.geglu_bwd(dg2, du2, dy2, g2, u2, approximate)
+
+
+def _check_triton_device(t: Tensor) -> None:
+    if t.device.type != "cuda" and not _triton().INTERPRET:
+        raise RuntimeError(
+            "geglu: the 'triton' backend got CPU tensors; Triton runs them only under its interpreter "
+            "(TRITON_INTERPRET=1 set before importing triton). Use set_backend('auto') for the CPU implementation."
+        )
+
+
+def _halves(x: Tensor, d: int, act_first: bool) -> Tuple[Tensor, Tensor]:
+    a, b = x[..., :d], x[..., d:]
+    return (a, b) if act_first else (b, a)
+
+
+def _forward_into(out: Tensor, gate: Tensor, up: Tensor, approximate: str) -> None:
+    if out.numel() == 0:
+        return
+    d = gate.shape[-1]
+    g2, u2 = _rows(gate, d), _rows(up, d)
+    try:
+        out2 = out.view(-1, d)
+    except RuntimeError:
+        out2 = None
+    if out2 is not None:
+        _run_fwd(out2, g2, u2, approximate)
+    else:  # an out= tensor whose leading dims cannot be flattened: compute, then copy into it
+        tmp = torch.empty(g2.shape, dtype=out.dtype, device=out.device)
+        _run_fwd(tmp, g2, u2, approximate)
+        out.copy_(tmp.view(out.shape))
+
+
+def _backward_into(d_gate: Tensor, d_up: Tensor, grad: Tensor, gate: Tensor, up: Tensor, approximate: str) -> None:
+    """d_gate/d_up are tensors we allocated (or gate/up themselves, or halves of a packed gradient or input):
+    always viewable as rows."""
+    if gate.numel() == 0:
+        return
+    d = gate.shape[-1]
+    _run_bwd(d_gate.view(-1, d), d_up.view(-1, d), _rows(grad, d), _rows(gate, d), _rows(up, d), approximate)
+
+
+def _viewable(t: Tensor, d: int) -> bool:
+    if t.numel() == 0:
+        return True
+    try:
+        t.view(-1, d)
+        return True
+    except RuntimeError:
+        return False
+
+
+# --- forward ops ------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op(add_op_namespace_prefix("geglu"), mutates_args=())
+def geglu(gate: Tensor, up: Tensor, approximate: str, inplace_backward: bool) -> Tensor:
+    check_split(gate, up, approximate)
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    _forward_into(out, gate, up, approximate)
+    return out
+
+
+@geglu.register_fake
+def _(gate, up, approximate, inplace_backward):
+    check_split(gate, up, approximate)
+    return torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+
+
+@torch.library.custom_op(add_op_namespace_prefix("geglu_packed"), mutates_args=())
+def geglu_packed(x: Tensor, approximate: str, act_first: bool, inplace_backward: bool) -> Tensor:
+    d = check_packed(x, approximate)
+    out = torch.empty(x.shape[:-1] + (d,), dtype=x.dtype, device=x.device)
+    gate, up = _halves(x, d, act_first)
+    _forward_into(out, gate, up, approximate)
+    return out
+
+
+@geglu_packed.register_fake
+def _(x, approximate, act_first, inplace_backward):
+    d = check_packed(x, approximate)
+    return torch.empty(x.shape[:-1] + (d,), dtype=x.dtype, device=x.device)
+
+
+@torch.library.custom_op(add_op_namespace_prefix("geglu_out"), mutates_args=("out",))
+def geglu_out(out: Tensor, gate: Tensor, up: Tensor, approximate: str) -> None:
+    check_split(gate, up, approximate, out)
+    _forward_into(out, gate, up, approximate)
+
+
+@geglu_out.register_fake
+def _(out, gate, up, approximate):
+    check_split(gate, up, approximate, out)
+
+
+# --- backward ops -----------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op(add_op_namespace_prefix("geglu_backward"), mutates_args=())
+def geglu_backward(grad: Tensor, gate: Tensor, up: Tensor, approximate: str) -> Tuple[Tensor, Tensor]:
+    check_backward(grad, gate, up, approximate)
+    d_gate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    d_up = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    _backward_into(d_gate, d_up, grad, gate, up, approximate)
+    return d_gate, d_up
+
+
+@geglu_backward.register_fake
+def _(grad, gate, up, approximate):
+    check_backward(grad, gate, up, approximate)
+    return (torch.empty(gate.shape, dtype=gate.dtype, device=gate.device),
+            torch.empty(gate.shape, dtype=gate.dtype, device=gate.device))
+
+
+@torch.library.custom_op(add_op_namespace_prefix("geglu_backward_"), mutates_args=("gate", "up"))
+def geglu_backward_(grad: Tensor, gate: Tensor, up: Tensor, approximate: str) -> None:
+    """In-place backward: d_gate is written over gate and d_up over up."""
+    check_backward(grad, gate, up, approximate)
+    d = gate.shape[-1]
+    if not (_viewable(gate, d) and _viewable(up, d)):
+        raise ValueError("geglu: in-place backward needs gate and up whose leading dims flatten to rows without a copy.")
+    _backward_into(gate, up, grad, gate, up, approximate)
+
+
+@geglu_backward_.register_fake
+def _(grad, gate, up, approximate):
+    check_backward(grad, gate, up, approximate)
+
+
+@torch.library.custom_op(add_op_namespace_prefix("geglu_packed_backward"), mutates_args=())
+def geglu_packed_backward(grad: Tensor, x: Tensor, approximate: str, act_first: bool) -> Tensor:
+    d = check_packed(x, approximate)
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    gate, up = _halves(x, d, act_first)
+    d_gate, d_up = _halves(dx, d, act_first)
+    check_backward(grad, gate, up, approximate)
+    _backward_into(d_gate, d_up, grad, gate, up, approximate)
+    return dx
+
+
+@geglu_packed_backward.register_fake
+def _(grad, x, approximate, act_first):
+    d = check_packed(x, approximate)
+    gate, up = _halves(x, d, act_first)
+    check_backward(grad, gate, up, approximate)
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+@torch.library.custom_op(add_op_namespace_prefix("geglu_packed_backward_"), mutates_args=("x",))
+def geglu_packed_backward_(grad: Tensor, x: Tensor, approximate: str, act_first: bool) -> None:
+    """In-place packed backward: the gradient w.r.t. x is written over x."""
+    d = check_packed(x, approximate)
+    gate, up = _halves(x, d, act_first)
+    check_backward(grad, gate, up, approximate)
+    if not _viewable(gate, d):
+        raise ValueError("geglu: in-place backward needs an x whose leading dims flatten to rows without a copy.")
+    _backward_into(gate, up, grad, gate, up, approximate)
+
+
+@geglu_packed_backward_.register_fake
+def _(grad, x, approximate, act_first):
+    d = check_packed(x, approximate)
+    gate, up = _halves(x, d, act_first)
+    check_backward(grad, gate, up, approximate)
+
+
+# --- autograd ---------------------------------------------------------------------------------------------------
+
+
+def _setup_split(ctx, inputs, output):
+    gate, up, approximate, inplace_backward = inputs
+    ctx.save_for_backward(gate, up)
+    ctx.approximate = approximate
+    ctx.inplace_backward = inplace_backward
+
+
+def _contiguous_last_dim(grad: Tensor) -> Tensor:
+    # Gradients from autograd can be expanded (stride 0, e.g. after .sum()) or transposed.
+    if grad.dim() and grad.shape[-1] > 1 and grad.stride(-1) != 1:
+        return grad.contiguous()
+    return grad
+
+
+def _backward_split(ctx, grad):
+    grad = _contiguous_last_dim(grad)
+    gate, up = ctx.saved_tensors
+    if ctx.inplace_backward:
+        geglu_backward_(grad, gate, up, ctx.approximate)
+        return gate, up, None, None
+    d_gate, d_up = geglu_backward(grad, gate, up, ctx.approximate)
+    return d_gate, d_up, None, None
+
+
+geglu.register_autograd(_backward_split, setup_context=_setup_split)
+
+
+def _setup_packed(ctx, inputs, output):
+    x, approximate, act_first, inplace_backward = inputs
+    ctx.save_for_backward(x)
+    ctx.approximate = approximate
+    ctx.act_first = act_first
+    ctx.inplace_backward = inplace_backward
+
+
+def _backward_packed(ctx, grad):
+    grad = _contiguous_last_dim(grad)
+    (x,) = ctx.saved_tensors
+    if ctx.inplace_backward:
+        geglu_packed_backward_(grad, x, ctx.approximate, ctx.act_first)
+        return x, None, None, None
+    return geglu_packed_backward(grad, x, ctx.approximate, ctx.act_first), None, None, None
+
+
+geglu_packed.register_autograd(_backward_packed, setup_context=_setup_packed)

@@ -1,0 +1,230 @@
+"""Triton GeGLU kernels (forward and backward, exact and tanh GELU, fp32/fp16/bf16).
+
+Numerics follow eager PyTorch's CUDA kernels (ATen/native/cuda/ActivationGeluKernel.cu and the `mul` kernel) step
+by step: fp32 math in eager's operation order, the GELU rounded to the storage dtype before the product, the
+product computed in fp32 and rounded; eager's constants rounded to fp32 the way C++ rounds them. On a GPU the
+transcendental functions are libdevice's (`erff`, `tanhf`, `expf`, what eager calls), so the forward is
+bit-identical to `F.gelu(gate, approximate=...) * up`.
+
+Under the Triton interpreter (TRITON_INTERPRET=1, CPU tensors) libdevice is not available; erf comes from Python's
+`math.erf` rounded to fp32 and tanh/exp from numpy, which may differ from CUDA's by a few fp32 ulp: the tests state
+and check that bound.
+
+Layout: every tensor is 2-D `[M, N]` with an arbitrary row stride and a unit-stride last dim, so the halves of a
+packed `[M, 2N]` tensor and chunk views go in without a copy. Offsets are 64-bit. A program handles a
+BLOCK_M x BLOCK_N tile; the last dim is vectorised to 16-byte accesses whenever strides allow it (Triton
+specialises integer arguments divisible by 16).
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# Eager's constants, as C++ computes them: the product in double, then rounded to float.
+_M_SQRT2 = 1.41421356237309504880
+_M_2_SQRTPI = 1.12837916709551257390
+_M_SQRT1_2 = 0.70710678118654752440
+K_BETA_TANH = float(torch.tensor(_M_SQRT2 * _M_2_SQRTPI * 0.5, dtype=torch.float32))
+K_KAPPA = float(torch.tensor(0.044715, dtype=torch.float32))
+K_ALPHA = float(torch.tensor(_M_SQRT1_2, dtype=torch.float32))
+K_BETA_ERF = float(torch.tensor(_M_2_SQRTPI * _M_SQRT1_2 * 0.5, dtype=torch.float32))
+# `opmath_t(3) * kKappa` is a float product in C++ (rounded to float), not a double one.
+K_3KAPPA = float(torch.tensor(3.0, dtype=torch.float32) * torch.tensor(K_KAPPA, dtype=torch.float32))
+
+if INTERPRET:
+
+    @triton.jit
+    def _erf(x):
+        return tl.erf(x)
+
+    @triton.jit
+    def _exp(x):
+        return tl.exp(x)
+
+    @triton.jit
+    def _tanh(x):
+        # 1 - 2 / (exp(2x) + 1): exact at 0 and saturates to +-1 without inf/inf.
+        return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+    @triton.jit
+    def _round(x, T: tl.constexpr):
+        # The interpreter casts fp32 -> bf16 by truncation; the GPU (and eager) round to nearest even.
+        if T == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+            x = bits.to(tl.float32, bitcast=True)
+        return x.to(T)
+
+else:
+    from triton.language.extra import libdevice
+
+    @triton.jit
+    def _erf(x):
+        return libdevice.erf(x)
+
+    @triton.jit
+    def _exp(x):
+        return libdevice.exp(x)
+
+    @triton.jit
+    def _tanh(x):
+        return libdevice.tanh(x)
+
+    @triton.jit
+    def _round(x, T: tl.constexpr):
+        return x.to(T)  # round to nearest even, as eager
+
+
+@triton.jit
+def _gelu(x, TANH: tl.constexpr, K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr):
+    if TANH:
+        x_cube = x * x * x
+        inner = K_BETA_TANH * (x + K_KAPPA * x_cube)
+        h = 0.5 * x * (1.0 + _tanh(inner))
+    else:
+        h = x * 0.5 * (1.0 + _erf(x * K_ALPHA))
+    return h
+
+
+@triton.jit
+def _gelu_grad(x, TANH: tl.constexpr, K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr,
+               K_BETA_ERF: tl.constexpr, K_3KAPPA: tl.constexpr):
+    """d gelu / dx, in eager gelu_backward's operation order (without the final multiply by dy)."""
+    if TANH:
+        x_sq = x * x
+        x_cube = x_sq * x
+        inner = K_BETA_TANH * (x + K_KAPPA * x_cube)
+        t = _tanh(inner)
+        left = 0.5 * x
+        right = 1.0 + t
+        left_derivative = 0.5 * right
+        tanh_derivative = 1.0 - t * t
+        inner_derivative = K_BETA_TANH * (1.0 + K_3KAPPA * x_sq)
+        right_derivative = left * tanh_derivative * inner_derivative
+        g = left_derivative + right_derivative
+    else:
+        cdf = 0.5 * (1.0 + _erf(x * K_ALPHA))
+        pdf = _exp(-0.5 * x * x) * K_BETA_ERF
+        g = cdf + x * pdf
+    return g
+
+
+@triton.jit
+def _geglu_fwd_kernel(gate_ptr, up_ptr, out_ptr, M, N, stride_g, stride_u, stride_o,
+                      TANH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    g = tl.load(gate_ptr + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0)
+    u = tl.load(up_ptr + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0)
+    h = _gelu(g.to(tl.float32), TANH, K_BETA_TANH, K_KAPPA, K_ALPHA)
+    # eager: gelu() returns a tensor of the storage dtype, then mul computes in fp32 and rounds.
+    T = out_ptr.dtype.element_ty
+    h = _round(h, T).to(tl.float32)
+    out = h * u.to(tl.float32)
+    tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], _round(out, T), mask=mask)
+
+
+@triton.jit
+def _geglu_bwd_kernel(grad_ptr, gate_ptr, up_ptr, dg_ptr, du_ptr, M, N,
+                      stride_dy, stride_g, stride_u, stride_dg, stride_du,
+                      TANH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr,
+                      K_BETA_ERF: tl.constexpr, K_3KAPPA: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    dy = tl.load(grad_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(gate_ptr + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    T = dg_ptr.dtype.element_ty
+    # mul's backward: d_h = dy * up and d_up = dy * h, each rounded to the storage dtype (h as saved: rounded).
+    h = _round(_gelu(x, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA), T).to(tl.float32)
+    d_up = dy * h
+    d_h = _round(dy * u, T).to(tl.float32)
+    # gelu_backward(d_h, x): fp32, rounded once.
+    d_gate = d_h * _gelu_grad(x, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA)
+    tl.store(dg_ptr + rows[:, None] * stride_dg + cols[None, :], _round(d_gate, T), mask=mask)
+    tl.store(du_ptr + rows[:, None] * stride_du + cols[None, :], _round(d_up, T), mask=mask)
+
+
+_SM_COUNT = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
+def _tiles(M: int, N: int, element_size: int, device: torch.device, tensors: int):
+    """Tile shape and warps: ~4096 elements a program (32 per thread at 4 warps: four 16-byte vectors of bf16 per
+    tensor in flight), narrower column tiles when the grid would not cover the SMs twice (decode sizes)."""
+    per_program = 4096 if element_size <= 2 else 2048
+    if tensors > 3:  # backward: five tensors per element
+        per_program //= 2
+    block_n = min(_next_pow2(N), 1024)
+    block_m = max(1, min(_next_pow2(M), per_program // block_n))
+    waves = 2 * _sm_count(device)
+    while block_n > 128 and triton.cdiv(M, block_m) * triton.cdiv(N, block_n) < waves:
+        block_n //= 2
+    num_warps = 4 if block_m * block_n >= 1024 else 2 if block_m * block_n >= 256 else 1
+    return block_m, block_n, num_warps
+
+
+def geglu_fwd(out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, tanh: bool) -> None:
+    """out[M, N] = gelu(gate) * up on 2-D row-strided tensors (the caller validated them)."""
+    M, N = gate.shape
+    if M == 0 or N == 0:
+        return
+    block_m, block_n, num_warps = _tiles(M, N, gate.element_size(), gate.device, 3)
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    with torch.cuda.device(gate.device) if gate.device.type == "cuda" else _nullcontext():
+        _geglu_fwd_kernel[grid](
+            gate, up, out, M, N, gate.stride(0), up.stride(0), out.stride(0),
+            TANH=tanh, BLOCK_M=block_m, BLOCK_N=block_n,
+            K_BETA_TANH=K_BETA_TANH, K_KAPPA=K_KAPPA, K_ALPHA=K_ALPHA,
+            num_warps=num_warps,
+        )
+
+
+def geglu_bwd(d_gate: torch.Tensor, d_up: torch.Tensor, grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+              tanh: bool) -> None:
+    """d_gate, d_up from grad, gate, up (2-D row-strided; d_gate may alias gate and d_up alias up)."""
+    M, N = gate.shape
+    if M == 0 or N == 0:
+        return
+    block_m, block_n, num_warps = _tiles(M, N, gate.element_size(), gate.device, 5)
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    with torch.cuda.device(gate.device) if gate.device.type == "cuda" else _nullcontext():
+        _geglu_bwd_kernel[grid](
+            grad, gate, up, d_gate, d_up, M, N,
+            grad.stride(0), gate.stride(0), up.stride(0), d_gate.stride(0), d_up.stride(0),
+            TANH=tanh, BLOCK_M=block_m, BLOCK_N=block_n,
+            K_BETA_TANH=K_BETA_TANH, K_KAPPA=K_KAPPA, K_ALPHA=K_ALPHA, K_BETA_ERF=K_BETA_ERF, K_3KAPPA=K_3KAPPA,
+            num_warps=num_warps,
+        )
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False

@@ -1,0 +1,67 @@
+"""The public functions. Every one validates its input and runs a torch.library op, so it works under
+torch.compile(fullgraph=True), in eager mode and with autograd, on CUDA (compiled library or Triton) and CPU."""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _custom_ops as _ops
+from ._checks import check_packed
+
+
+def _no_autograd_with_out(*tensors: Tensor) -> None:
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise RuntimeError(
+            "geglu: out= is for inference and does not record a gradient, but an input requires grad. "
+            "Call it without out= (or under torch.no_grad())."
+        )
+
+
+def geglu(gate: Tensor, up: Tensor, approximate: str = "none", *, out: Optional[Tensor] = None,
+          inplace_backward: bool = False) -> Tensor:
+    """``gelu(gate, approximate) * up``, bit-identical to eager PyTorch's ``F.gelu(gate, approximate=...) * up``.
+
+    gate, up: same shape ``[..., d]``, dtype (float32/float16/bfloat16) and device; rows may be strided (views
+    from ``chunk`` or slices), the last dim must be unit-stride. ``approximate``: ``"none"`` (erf) or ``"tanh"``.
+    ``out``: write the result there (inference only). ``inplace_backward=True`` lets the backward write the
+    gradients over ``gate`` and ``up`` (saves two activation-sized buffers; only when nothing else reads gate or
+    up afterwards, e.g. the outputs of gate/up projections).
+    """
+    if out is not None:
+        _no_autograd_with_out(gate, up)
+        _ops.geglu_out(out, gate, up, approximate)
+        return out
+    return _ops.geglu(gate, up, approximate, inplace_backward)
+
+
+def geglu_packed(x: Tensor, approximate: str = "none", *, act_first: bool = True, out: Optional[Tensor] = None,
+                 inplace_backward: bool = False) -> Tensor:
+    """GeGLU of a packed ``x[..., 2d]`` -> ``[..., d]``.
+
+    ``act_first=True``: ``gelu(x[..., :d]) * x[..., d:]`` (vLLM / activation kernels / ModernBERT layout);
+    ``act_first=False``: ``x[..., :d] * gelu(x[..., d:])`` (diffusers' GEGLU). The backward writes one packed
+    ``[..., 2d]`` gradient (or over ``x`` with ``inplace_backward=True``).
+    """
+    if out is not None:
+        _no_autograd_with_out(x)
+        d = check_packed(x, approximate, out)
+        gate, up = _ops._halves(x, d, act_first)
+        _ops.geglu_out(out, gate, up, approximate)
+        return out
+    return _ops.geglu_packed(x, approximate, act_first, inplace_backward)
+
+
+def gelu_and_mul(out: Tensor, x: Tensor) -> Tensor:
+    """kernels-community/activation's ``gelu_and_mul(out, x)``: exact GELU of the first half times the second."""
+    return geglu_packed(x, "none", out=out)
+
+
+def gelu_tanh_and_mul(out: Tensor, x: Tensor) -> Tensor:
+    """kernels-community/activation's ``gelu_tanh_and_mul(out, x)``: tanh GELU of the first half times the second."""
+    return geglu_packed(x, "tanh", out=out)
+
+
+def geglu_backward(grad: Tensor, gate: Tensor, up: Tensor, approximate: str = "none"):
+    """Gradients ``(d_gate, d_up)`` of :func:`geglu`, with eager autograd's rounding."""
+    return _ops.geglu_backward(grad, gate, up, approximate)
