@@ -28,7 +28,7 @@ def _check_one(name: str, t: torch.Tensor) -> None:
         )
     if t.dim() == 0:
         raise ValueError(f"geglu: {name} is a 0-dim tensor; expected at least one dimension (the feature dim).")
-    if t.shape[-1] > 1 and t.stride(-1) != 1:
+    if t.shape[-1] > 1 and t.stride(-1) != 1 and t.numel() > 0:
         raise ValueError(
             f"geglu: {name} has stride {t.stride(-1)} in its last dimension; expected 1 (rows may be strided, but "
             f"the feature dim must be contiguous). Pass {name}.contiguous()."

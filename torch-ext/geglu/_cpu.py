@@ -1,19 +1,34 @@
 """CPU implementation: eager PyTorch's own CPU kernels, in eager's order, so results are bit-identical to
-`F.gelu(gate, approximate=...) * up` and to its autograd on CPU. Outputs may be strided views (the halves of a
-packed gradient) and may alias the inputs exactly (in-place backward)."""
+`F.gelu(gate, approximate=...) * up` and to its autograd on CPU.
+
+Eager's CPU kernels pick vectorised or scalar math by memory layout, so results are defined as eager's on
+contiguous tensors: strided inputs are made contiguous, each step writes a fresh tensor as eager does, and strided
+outputs (the halves of a packed gradient, a strided out=) receive a copy. Outputs may alias the inputs exactly (in-place backward): everything is read before anything is written."""
 
 import torch
 import torch.nn.functional as F
 
 
+def _store(dst: torch.Tensor, value: torch.Tensor) -> None:
+    if dst.data_ptr() != value.data_ptr():
+        dst.copy_(value)
+
+
 def geglu_fwd(out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, approximate: str) -> None:
-    torch.mul(F.gelu(gate, approximate=approximate), up, out=out)
+    gate, up = gate.contiguous(), up.contiguous()
+    h = F.gelu(gate, approximate=approximate)
+    if out.is_contiguous():
+        torch.mul(h, up, out=out)
+    else:
+        _store(out, h * up)
 
 
 def geglu_bwd(d_gate: torch.Tensor, d_up: torch.Tensor, grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
               approximate: str) -> None:
-    # Everything that reads gate/up is computed before d_gate/d_up (which may be gate/up) are written.
+    grad, gate, up = grad.contiguous(), gate.contiguous(), up.contiguous()
     d_h = grad * up
     h = F.gelu(gate, approximate=approximate)
-    torch.mul(grad, h, out=d_up)
-    torch.ops.aten.gelu_backward.grad_input(d_h, gate, approximate=approximate, grad_input=d_gate)
+    du = grad * h
+    dg = torch.ops.aten.gelu_backward(d_h, gate, approximate=approximate)
+    _store(d_up, du)
+    _store(d_gate, dg)

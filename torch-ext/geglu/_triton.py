@@ -37,18 +37,20 @@ K_3KAPPA = float(torch.tensor(3.0, dtype=torch.float32) * torch.tensor(K_KAPPA, 
 
 if INTERPRET:
 
+    # Computed in fp64 and rounded: (nearly) correctly rounded fp32 values.
     @triton.jit
     def _erf(x):
-        return tl.erf(x)
+        return tl.erf(x.to(tl.float64)).to(tl.float32)
 
     @triton.jit
     def _exp(x):
-        return tl.exp(x)
+        return tl.exp(x.to(tl.float64)).to(tl.float32)
 
     @triton.jit
     def _tanh(x):
         # 1 - 2 / (exp(2x) + 1): exact at 0 and saturates to +-1 without inf/inf.
-        return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+        x64 = x.to(tl.float64)
+        return (1.0 - 2.0 / (tl.exp(2.0 * x64) + 1.0)).to(tl.float32)
 
     @triton.jit
     def _round(x, T: tl.constexpr):

@@ -1,0 +1,68 @@
+"""Shared fixtures: the kernel is built by the project's own builder and loaded the way users load it, through
+``kernels.get_local_kernel``. Without a GPU, Triton kernels run under the Triton interpreter on CPU tensors."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    # Must be set before triton is first imported (it picks its interpreter at decoration time).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def build_dir(tmp_path_factory) -> Path:
+    """A build tree: $GEGLU_BUILD_DIR when set (e.g. one holding the compiled variant), else the noarch
+    variants built from this checkout."""
+    env = os.environ.get("GEGLU_BUILD_DIR")
+    if env:
+        return Path(env).resolve()
+    from kerneltools.build import build
+
+    out = tmp_path_factory.mktemp("build")
+    build(ROOT, out, variants=["cpu", "cuda"], log=lambda *a: None)
+    return out
+
+
+@pytest.fixture(scope="session")
+def geglu(build_dir):
+    """The kernel module, loaded by kernels from the build tree (the variant kernels picks for this machine)."""
+    import kernels
+
+    return kernels.get_local_kernel(build_dir)
+
+
+def _impls():
+    if HAS_CUDA:
+        return ["cuda", "triton"]  # "cuda" skips itself when the loaded variant has no compiled library
+    return ["cpu", "triton"]
+
+
+@pytest.fixture(params=_impls())
+def impl(request, geglu):
+    """Run the test once per implementation available here; yields (name, device)."""
+    name = request.param
+    if name == "cuda" and not geglu.HAS_CUDA_LIB:
+        pytest.skip("the loaded variant has no compiled CUDA library (set GEGLU_BUILD_DIR to a compiled build)")
+    geglu.set_backend("auto" if name in ("cpu", "cuda") else name)
+    try:
+        yield name, ("cuda" if HAS_CUDA else "cpu")
+    finally:
+        geglu.set_backend("auto")

@@ -1,0 +1,76 @@
+"""Eager references and comparison rules shared by the kernel tests."""
+
+import torch
+import torch.nn.functional as F
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+APPROX = ["none", "tanh"]
+E32 = torch.finfo(torch.float32).eps
+
+
+# Eager's CPU kernels switch between vectorised and scalar math by memory layout (CUDA's do not), so the eager
+# reference is computed on contiguous copies: the layout the CPU implementation computes on.
+
+
+def eager_fwd(gate, up, approximate):
+    return F.gelu(gate.contiguous(), approximate=approximate) * up.contiguous()
+
+
+def eager_grads(gate, up, dy, approximate):
+    """Eager autograd's (d_gate, d_up) for F.gelu(gate) * up."""
+    g = gate.detach().contiguous().clone().requires_grad_()
+    u = up.detach().contiguous().clone().requires_grad_()
+    (F.gelu(g, approximate=approximate) * u).backward(dy.contiguous())
+    return g.grad, u.grad
+
+
+def fp64_fwd(gate, up, approximate):
+    return F.gelu(gate.double(), approximate=approximate) * up.double()
+
+
+def fp64_grads(gate, up, dy, approximate):
+    g = gate.detach().double().requires_grad_()
+    u = up.detach().double().requires_grad_()
+    (F.gelu(g, approximate=approximate) * u).backward(dy.double())
+    return g.grad, u.grad
+
+
+def randn(*shape, dtype, device, scale=1.0):
+    """Fresh random data; scale 3 spreads gates over GELU's curved region and both tails."""
+    return (torch.randn(*shape, device=device, dtype=torch.float32) * scale).to(dtype)
+
+
+def interpreter_bound(result, ref, scale):
+    """The stated bound for the Triton interpreter on CPU, where erf/tanh/exp come from Python/numpy rather than
+    CUDA's libdevice (a few fp32 ulp apart, which near GELU's tails is large relative to the tiny result):
+
+        |result - ref| <= 4 * (eps_fp32 * scale + eps_T * |ref| + tiny_T)
+
+    with ``scale`` the magnitude of the inputs' product (|gate|*|up| for the forward). Measured worst ratio on
+    random data: 1.5 (of 4)."""
+    eps = torch.finfo(ref.dtype).eps
+    tiny = torch.finfo(ref.dtype).tiny
+    err = (result.double() - ref.double()).abs()
+    allowed = 4 * (E32 * scale.double() + eps * ref.double().abs() + tiny)
+    worst = (err / allowed).max().item() if err.numel() else 0.0
+    assert worst <= 1.0, f"interpreter bound exceeded: worst error is {worst:.3g} x the bound"
+
+
+def assert_matches_eager(impl_name, result, ref, scale):
+    """Bit-exact where the implementation is (CPU implementation; every GPU kernel), else the stated bound."""
+    assert result.dtype == ref.dtype and result.shape == ref.shape
+    if impl_name == "triton" and result.device.type == "cpu":
+        interpreter_bound(result, ref, scale)
+    else:
+        assert torch.equal(result, ref), (
+            f"not bit-exact: {(result != ref).sum().item()} of {ref.numel()} differ, "
+            f"max |diff| {(result.double() - ref.double()).abs().max().item():.3g}"
+        )
+
+
+def assert_close_to_fp64(result, eager, ref64, slack=1.02):
+    """Our error against fp64 is no worse than eager's own (rounding in the output dtype)."""
+    ours = (result.double() - ref64).norm().item()
+    theirs = (eager.double() - ref64).norm().item()
+    scale = ref64.norm().item() + 1e-30
+    assert ours <= theirs * slack + 1e-7 * scale, f"relative error {ours / scale:.3g} vs eager's {theirs / scale:.3g}"

@@ -1,0 +1,92 @@
+"""Bad input gets an error that names what was wrong and what was expected, on every path (eager, compile)."""
+
+import pytest
+import torch
+
+
+def _t(*shape, dtype=torch.float32, device="cpu"):
+    return torch.randn(*shape, device=device).to(dtype)
+
+
+def test_integer_dtype(geglu):
+    g = torch.randint(0, 5, (4, 8))
+    with pytest.raises(TypeError, match=r"gate has dtype torch.int64; expected torch.float32, torch.float16 or"):
+        geglu.geglu(g, g.clone())
+
+
+def test_float64_is_named(geglu):
+    with pytest.raises(TypeError, match="float64"):
+        geglu.geglu_packed(_t(2, 8, dtype=torch.float64))
+
+
+def test_mismatched_dtypes(geglu):
+    with pytest.raises(TypeError, match=r"gate is torch.float32 but up is torch.bfloat16; expected the same dtype"):
+        geglu.geglu(_t(4, 8), _t(4, 8, dtype=torch.bfloat16))
+
+
+def test_shape_mismatch(geglu):
+    with pytest.raises(ValueError, match=r"gate has shape \(4, 8\) but up has shape \(4, 9\); expected equal shapes"):
+        geglu.geglu(_t(4, 8), _t(4, 9))
+
+
+def test_odd_packed_last_dim(geglu):
+    with pytest.raises(ValueError, match=r"last dimension is 7, which is odd; expected 2\*d"):
+        geglu.geglu_packed(_t(3, 7))
+
+
+def test_different_devices(geglu):
+    meta = torch.empty(4, 8, device="meta")
+    with pytest.raises(ValueError, match=r"gate is on cpu but up is on meta; expected one device"):
+        geglu.geglu(_t(4, 8), meta)
+
+
+def test_non_unit_last_stride(geglu):
+    g = _t(8, 4).t()  # last-dim stride 4
+    with pytest.raises(ValueError, match=r"gate has stride 4 in its last dimension; expected 1.*contiguous\(\)"):
+        geglu.geglu(g, g.contiguous())
+    x = _t(6, 3).t()
+    with pytest.raises(ValueError, match=r"x has stride 3 in its last dimension"):
+        geglu.geglu_packed(x)
+
+
+def test_zero_dim(geglu):
+    with pytest.raises(ValueError, match="0-dim tensor"):
+        geglu.geglu(torch.tensor(1.0), torch.tensor(2.0))
+
+
+def test_bad_approximate(geglu):
+    with pytest.raises(ValueError, match=r"approximate='sigmoid' is not supported; expected 'none'.*or 'tanh'"):
+        geglu.geglu(_t(2, 4), _t(2, 4), "sigmoid")
+
+
+def test_out_shape_and_dtype(geglu):
+    x = _t(3, 8)
+    with pytest.raises(ValueError, match=r"out has shape \(3, 5\); expected \(3, 4\)"):
+        geglu.gelu_and_mul(torch.empty(3, 5), x)
+    with pytest.raises(TypeError, match=r"x is torch.float32 but out is torch.float16"):
+        geglu.gelu_and_mul(torch.empty(3, 4, dtype=torch.float16), x)
+    with pytest.raises(ValueError, match=r"gate has shape \(3, 4\) but out has shape \(3, 3\)"):
+        geglu.geglu(_t(3, 4), _t(3, 4), out=torch.empty(3, 3))
+
+
+def test_out_with_autograd_is_refused(geglu):
+    g = _t(2, 4).requires_grad_()
+    with pytest.raises(RuntimeError, match="out= is for inference"):
+        geglu.geglu(g, _t(2, 4), out=torch.empty(2, 4))
+
+
+def test_errors_under_compile(geglu):
+    """The fake implementations run the same checks: torch.compile reports the same message."""
+    torch._dynamo.reset()
+    f = torch.compile(lambda g, u: geglu.geglu(g, u), fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match=r"gate has shape \(4, 8\) but up has shape \(4, 9\)"):
+        f(_t(4, 8), _t(4, 9))
+
+
+def test_backend_choice(geglu):
+    with pytest.raises(ValueError, match=r"expected one of auto, cuda, triton"):
+        geglu.set_backend("rocm")
+    if not geglu.HAS_CUDA_LIB:
+        with pytest.raises(RuntimeError, match="no compiled CUDA library"):
+            geglu.set_backend("cuda")
+    assert geglu.get_backend() == "auto"

@@ -1,0 +1,121 @@
+"""Hub layers through kernels' own kernelize: the layer rules hold (kernels validates them on load), outputs and
+gradients equal the host's eager computation, and a non-GELU activation keeps the host's own math."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ._reference import randn
+
+kernels = pytest.importorskip("kernels")
+from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_forward_from_hub, use_kernel_mapping  # noqa: E402
+
+
+class GeluTanh(nn.Module):  # the name transformers gives gelu_pytorch_tanh's class
+    def forward(self, x):
+        return F.gelu(x, approximate="tanh")
+
+
+GeluTanh.__name__ = "GELUTanh"
+
+
+@use_kernel_forward_from_hub("GeGLUMLP")
+class GatedMLP(nn.Module):
+    """The shape of transformers' Gemma/Llama MLP."""
+
+    def __init__(self, d, h, act):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, h, bias=False)
+        self.up_proj = nn.Linear(d, h, bias=False)
+        self.down_proj = nn.Linear(h, d, bias=False)
+        self.act_fn = act
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+@use_kernel_forward_from_hub("GeluAndMul")
+class PackedGelu(nn.Module):
+    def forward(self, x):
+        d = x.shape[-1] // 2
+        return F.gelu(x[..., :d]) * x[..., d:]
+
+
+@use_kernel_forward_from_hub("GeluTanhAndMul")
+class PackedGeluTanh(nn.Module):
+    def forward(self, x):
+        d = x.shape[-1] // 2
+        return F.gelu(x[..., :d], approximate="tanh") * x[..., d:]
+
+
+def _mapping(build_dir, *names):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return {n: {device: LocalLayerRepository(repo_path=build_dir, layer_name=n)} for n in names}
+
+
+def _device():
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("act", [nn.GELU(), nn.GELU(approximate="tanh"), GeluTanh()], ids=["erf", "tanh", "GELUTanh"])
+def test_mlp_inference_and_training(build_dir, act):
+    device = _device()
+    torch.manual_seed(0)
+    model = nn.Sequential(GatedMLP(16, 40, act), GatedMLP(16, 40, act)).to(device)
+    ref_model = nn.Sequential(GatedMLP(16, 40, act), GatedMLP(16, 40, act)).to(device)
+    ref_model.load_state_dict(model.state_dict())
+    x = randn(3, 5, 16, dtype=torch.float32, device=device)
+
+    with use_kernel_mapping(_mapping(build_dir, "GeGLUMLP")):
+        kernelize(model, mode=Mode.TRAINING, device=device)
+    assert model[0].forward.__func__.__qualname__.endswith("GeGLUMLP.forward")
+
+    y, y_ref = model(x), ref_model(x)
+    assert torch.equal(y, y_ref)
+    dy = randn(*y.shape, dtype=torch.float32, device=device)
+    y.backward(dy)
+    y_ref.backward(dy)
+    for (name, p), p_ref in zip(model.named_parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-5, atol=1e-6, msg=f"gradient of {name}")
+
+
+def test_non_gelu_activation_keeps_host_math(build_dir):
+    device = _device()
+    model = GatedMLP(8, 24, nn.SiLU()).to(device)
+    x = randn(4, 8, dtype=torch.float32, device=device)
+    ref = model(x)
+    with use_kernel_mapping(_mapping(build_dir, "GeGLUMLP")):
+        kernelize(model, mode=Mode.INFERENCE, device=device)
+    assert model.forward.__func__.__qualname__.endswith("GeGLUMLP.forward")  # swapped, but falls back inside
+    assert torch.equal(model(x), ref)
+
+
+def test_packed_layers(build_dir):
+    device = _device()
+    model = nn.Sequential(PackedGelu(), PackedGeluTanh()).to(device)
+    with use_kernel_mapping(_mapping(build_dir, "GeluAndMul", "GeluTanhAndMul")):
+        kernelize(model, mode=Mode.TRAINING, device=device)
+    x = randn(2, 3, 64, dtype=torch.bfloat16, device=device, scale=3).requires_grad_()
+    y = model(x)
+    d = 32
+    h = F.gelu(x.detach()[..., :d]) * x.detach()[..., d:]
+    ref = F.gelu(h[..., :16].contiguous(), approximate="tanh") * h[..., 16:].contiguous()
+    assert torch.equal(y, ref)
+    y.sum().backward()
+    assert x.grad.shape == x.shape and torch.isfinite(x.grad.float()).all()
+
+
+def test_compile_mode_accepted(build_dir):
+    """can_torch_compile=True: kernelize accepts Mode.INFERENCE | Mode.TORCH_COMPILE, and the model compiles
+    with fullgraph=True."""
+    device = _device()
+    model = GatedMLP(8, 24, nn.GELU(approximate="tanh")).to(device)
+    x = randn(4, 8, dtype=torch.float32, device=device)
+    ref = model(x)
+    with use_kernel_mapping(_mapping(build_dir, "GeGLUMLP")):
+        kernelize(model, mode=Mode.INFERENCE | Mode.TORCH_COMPILE, device=device)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), ref, rtol=0, atol=0)
