@@ -3,8 +3,9 @@
 Numerics follow eager PyTorch's CUDA kernels (ATen/native/cuda/ActivationGeluKernel.cu and the `mul` kernel) step
 by step: fp32 math in eager's operation order, the GELU rounded to the storage dtype before the product, the
 product computed in fp32 and rounded; eager's constants rounded to fp32 the way C++ rounds them. On a GPU the
-transcendental functions are libdevice's (`erff`, `tanhf`, `expf`, what eager calls), so the forward is
-bit-identical to `F.gelu(gate, approximate=...) * up`.
+transcendental functions are CUDA's own `erff`, `tanhf` and `expf` (what eager calls) written out as the PTX that
+nvcc 13 emits for them, so the result does not depend on the libdevice version the installed Triton bundles, and
+the forward is bit-identical to `F.gelu(gate, approximate=...) * up`.
 
 Under the Triton interpreter (TRITON_INTERPRET=1, CPU tensors) libdevice is not available; erf comes from Python's
 `math.erf` rounded to fp32 and tanh/exp from numpy, which may differ from CUDA's by a few fp32 ulp: the tests state
@@ -62,30 +63,105 @@ if INTERPRET:
         return x.to(T)
 
 else:
-    from triton.language.extra import libdevice
+    # CUDA's erff, tanhf and expf (libdevice, CUDA 13), as nvcc emits them for sm_90, in PTX: identical
+    # instructions to eager's kernels whatever libdevice the installed Triton bundles, and no FMA contraction
+    # across the call boundary that nvcc would not do. The branch of erff is turned into a select.
+    _ERF_PTX = tl.constexpr("""{
+    .reg .pred p1, p2;
+    .reg .f32 a, s, t, c0, c1, r, e;
+    abs.f32 a, $1;
+    setp.ltu.f32 p1, a, 0f3F8060FE;
+    setp.ge.f32 p2, a, 0f3F8060FE;
+    mul.f32 s, $1, $1;
+    selp.f32 t, a, s, p2;
+    selp.f32 c0, 0f38EB4C3A, 0f38B1E96A, p2;
+    selp.f32 c1, 0fBAAE005B, 0fBA574D20, p2;
+    fma.rn.f32 r, c0, t, c1;
+    selp.f32 c1, 0f3C09919F, 0f3BAAD5EA, p2;
+    fma.rn.f32 r, r, t, c1;
+    selp.f32 c1, 0fBD24D99A, 0fBCDC1BE7, p2;
+    fma.rn.f32 r, r, t, c1;
+    selp.f32 c1, 0f3E235519, 0f3DE718AF, p2;
+    fma.rn.f32 r, r, t, c1;
+    selp.f32 c1, 0f3F69B4F9, 0fBEC093AC, p2;
+    fma.rn.f32 r, r, t, c1;
+    selp.f32 c1, 0f3F210A14, 0f3E0375D3, p2;
+    fma.rn.f32 r, r, t, c1;
+    neg.f32 s, a;
+    selp.f32 s, s, $1, p2;
+    fma.rn.f32 r, r, s, s;
+    ex2.approx.ftz.f32 e, r;
+    sub.f32 e, 0f3F800000, e;
+    copysign.f32 e, $1, e;
+    selp.f32 $0, r, e, p1;
+    }""")
+
+    _TANH_PTX = tl.constexpr("""{
+    .reg .pred p1, p2;
+    .reg .f32 a, e, big, x2, r;
+    abs.f32 a, $1;
+    mul.f32 e, a, 0f4038AA3B;
+    ex2.approx.ftz.f32 e, e;
+    add.f32 e, e, 0f3F800000;
+    rcp.approx.ftz.f32 e, e;
+    fma.rn.f32 e, e, 0fC0000000, 0f3F800000;
+    setp.ge.f32 p1, a, 0f41102CB4;
+    selp.f32 e, 0f3F800000, e, p1;
+    copysign.f32 big, $1, e;
+    mul.f32 x2, $1, $1;
+    fma.rn.f32 r, 0f3C80F082, x2, 0fBD563CAE;
+    fma.rn.f32 r, r, x2, 0f3E085941;
+    fma.rn.f32 r, r, x2, 0fBEAAA9ED;
+    fma.rn.f32 r, r, x2, 0f00000000;
+    fma.rn.f32 r, r, $1, $1;
+    setp.ge.f32 p2, a, 0f3F19999A;
+    selp.f32 $0, big, r, p2;
+    }""")
+
+    _EXP_PTX = tl.constexpr("""{
+    .reg .f32 t, j, f, e;
+    .reg .b32 i;
+    fma.rn.f32 t, $1, 0f3BBB989D, 0f3F000000;
+    cvt.sat.f32.f32 t, t;
+    fma.rm.f32 j, t, 0f437C0000, 0f4B400001;
+    add.f32 f, j, 0fCB40007F;
+    neg.f32 f, f;
+    fma.rn.f32 f, $1, 0f3FB8AA3B, f;
+    fma.rn.f32 f, $1, 0f32A57060, f;
+    mov.b32 i, j;
+    shl.b32 i, i, 23;
+    mov.b32 t, i;
+    ex2.approx.ftz.f32 e, f;
+    mul.f32 $0, e, t;
+    }""")
 
     @triton.jit
     def _erf(x):
-        return libdevice.erf(x)
+        return tl.inline_asm_elementwise(_ERF_PTX, "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
 
     @triton.jit
     def _exp(x):
-        return libdevice.exp(x)
+        return tl.inline_asm_elementwise(_EXP_PTX, "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
 
     @triton.jit
     def _tanh(x):
-        return libdevice.tanh(x)
+        return tl.inline_asm_elementwise(_TANH_PTX, "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
 
     @triton.jit
     def _round(x, T: tl.constexpr):
         return x.to(T)  # round to nearest even, as eager
 
 
+# The arithmetic around the transcendental functions reproduces nvcc's instruction selection for eager's C++
+# (checked against `nvcc -O3 -arch=sm_90 -ptx`): kernels launch with enable_fp_fusion=False and every FMA that
+# nvcc contracts is written as tl.fma, every product/sum it leaves alone stays separate.
+
+
 @triton.jit
 def _gelu(x, TANH: tl.constexpr, K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr):
     if TANH:
         x_cube = x * x * x
-        inner = K_BETA_TANH * (x + K_KAPPA * x_cube)
+        inner = K_BETA_TANH * tl.fma(x_cube, K_KAPPA, x)  # kBeta * (x + kKappa * x_cube)
         h = 0.5 * x * (1.0 + _tanh(inner))
     else:
         h = x * 0.5 * (1.0 + _erf(x * K_ALPHA))
@@ -99,19 +175,18 @@ def _gelu_grad(x, TANH: tl.constexpr, K_BETA_TANH: tl.constexpr, K_KAPPA: tl.con
     if TANH:
         x_sq = x * x
         x_cube = x_sq * x
-        inner = K_BETA_TANH * (x + K_KAPPA * x_cube)
+        inner = K_BETA_TANH * tl.fma(x_cube, K_KAPPA, x)
         t = _tanh(inner)
         left = 0.5 * x
         right = 1.0 + t
-        left_derivative = 0.5 * right
-        tanh_derivative = 1.0 - t * t
-        inner_derivative = K_BETA_TANH * (1.0 + K_3KAPPA * x_sq)
+        tanh_derivative = 1.0 - t * t  # nvcc does not contract this one
+        inner_derivative = K_BETA_TANH * tl.fma(x_sq, K_3KAPPA, 1.0)  # kBeta * (1 + 3*kKappa * x_sq)
         right_derivative = left * tanh_derivative * inner_derivative
-        g = left_derivative + right_derivative
+        g = tl.fma(right, 0.5, right_derivative)  # left_derivative (0.5 * right) + right_derivative
     else:
-        cdf = 0.5 * (1.0 + _erf(x * K_ALPHA))
+        one_plus_erf = 1.0 + _erf(x * K_ALPHA)
         pdf = _exp(-0.5 * x * x) * K_BETA_ERF
-        g = cdf + x * pdf
+        g = tl.fma(one_plus_erf, 0.5, x * pdf)  # cdf (0.5 * (1 + erf)) + x * pdf
     return g
 
 
@@ -202,7 +277,7 @@ def geglu_fwd(out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, tanh: boo
             gate, up, out, M, N, gate.stride(0), up.stride(0), out.stride(0),
             TANH=tanh, BLOCK_M=block_m, BLOCK_N=block_n,
             K_BETA_TANH=K_BETA_TANH, K_KAPPA=K_KAPPA, K_ALPHA=K_ALPHA,
-            num_warps=num_warps,
+            num_warps=num_warps, enable_fp_fusion=False,
         )
 
 
@@ -220,7 +295,7 @@ def geglu_bwd(d_gate: torch.Tensor, d_up: torch.Tensor, grad: torch.Tensor, gate
             grad.stride(0), gate.stride(0), up.stride(0), d_gate.stride(0), d_up.stride(0),
             TANH=tanh, BLOCK_M=block_m, BLOCK_N=block_n,
             K_BETA_TANH=K_BETA_TANH, K_KAPPA=K_KAPPA, K_ALPHA=K_ALPHA, K_BETA_ERF=K_BETA_ERF, K_3KAPPA=K_3KAPPA,
-            num_warps=num_warps,
+            num_warps=num_warps, enable_fp_fusion=False,
         )
 
 
