@@ -190,9 +190,13 @@ class GitStore:
     def __init__(self, root: str | os.PathLike):
         self.root = Path(root).resolve()
         self.root.mkdir(parents=True, exist_ok=True)
-        self.tmp = self.root / ".tmp"
-        if self.tmp.exists():  # leftovers of a crash (temporary index files, decoded uploads): never data
-            shutil.rmtree(self.tmp, ignore_errors=True)
+        scratch = self.root / ".tmp"
+        scratch.mkdir(exist_ok=True)
+        for d in scratch.iterdir():  # leftovers of crashed servers (temp indexes, decoded uploads): never data
+            pid = d.name.partition("-")[2]
+            if d.name.startswith("pid-") and pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(d, ignore_errors=True)
+        self.tmp = scratch / f"pid-{os.getpid()}"  # per process: a second server on this root keeps its own
         self.tmp.mkdir(exist_ok=True)
         self._create_lock = threading.Lock()
         if shutil.which("git") is None:
@@ -241,6 +245,16 @@ _GITATTRIBUTES = b"""\
 *.bin filter=lfs diff=lfs merge=lfs -text
 *.safetensors filter=lfs diff=lfs merge=lfs -text
 """
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _git_env(extra: dict | None = None) -> dict:

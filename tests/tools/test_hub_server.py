@@ -490,3 +490,17 @@ def test_compare_and_swap_when_branch_moves_mid_commit(tmp_path, monkeypatch):
 def _write(p: Path, data: bytes) -> Path:
     p.write_bytes(data)
     return p
+
+
+def test_second_server_on_same_root_keeps_first_servers_scratch(tmp_path):
+    import os
+
+    from kerneltools.hub_store import GitStore
+
+    live = tmp_path / "s" / ".tmp" / f"pid-{os.getppid()}"  # a running process
+    dead = tmp_path / "s" / ".tmp" / "pid-999999999"  # no such process: a crashed server's leftovers
+    for d in (live, dead):
+        d.mkdir(parents=True)
+        (d / "index-x").write_text("x")
+    GitStore(tmp_path / "s")
+    assert (live / "index-x").exists() and not dead.exists()
