@@ -421,20 +421,25 @@ def publish(build_dir="build", repo_id: str | None = None, endpoint: str | None 
     except RepositoryNotFoundError as e:
         raise PublishError(f"The Hub at {endpoint} says {repo_id} does not exist or you may not write to it "
                            f"({_first_line(e)}). Check the repo id and your token (HF_TOKEN or `hf auth login`); "
-                           f"{state}.")
+                           f"{state}." + _notes(notes))
     except HfHubHTTPError as e:
         hint = " Check your token (HF_TOKEN or `hf auth login`)." if _status(e) in (401, 403) else ""
-        raise PublishError(f"The Hub at {endpoint} refused a request: {_first_line(e)}.{hint} So far {state}.")
+        raise PublishError(f"The Hub at {endpoint} refused a request: {_first_line(e)}.{hint} So far {state}."
+                           + _notes(notes))
     except Exception as e:
         if not _is_transport_error(e):
             raise
         raise PublishError(f"Lost the connection to the Hub at {endpoint} ({type(e).__name__}: {e}). So far {state}: "
                            "commits are atomic, so the Hub holds either the whole commit or none of it. Check that "
                            "the server is up (python -m kerneltools serve --root DIR) and run publish again; "
-                           "repeating it is safe.")
+                           "repeating it is safe." + _notes(notes))
     finally:
         steps.close()
     return PublishResult(repo_id, version, f"v{version}", sha, [v.name for v in variants], card_sha, endpoint, notes)
+
+
+def _notes(notes: list[str]) -> str:
+    return "".join(f"\nNote: {n}" for n in notes)
 
 
 def _first_line(e: Exception) -> str:
