@@ -19,7 +19,6 @@ the branch moved meanwhile (another publish), it is refused with 412 and this to
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import json
 import socket
 from urllib.parse import quote, urlsplit
@@ -10,7 +9,7 @@ from urllib.parse import quote, urlsplit
 import pytest
 from huggingface_hub import CommitOperationAdd, HfApi
 
-from conftest import TRUSTED_ORG, commit_ndjson, file_item, raw_request, repo_state
+from toolhelpers import TRUSTED_ORG, commit_ndjson, file_item, raw_request, repo_state
 from kerneltools.hub_server import serve_hub
 
 REPO = "geglu-kernels/tiny"
@@ -194,7 +193,7 @@ def test_chunked_commit_body_is_accepted(hub, api, krepo):
     assert reply.startswith(b"HTTP/1.1 200"), reply
     assert api.list_repo_files(REPO, repo_type="kernel") == [".gitattributes", "c.txt"]
     # restore main for the intact-repo check (main is allowed to move back only via a new commit: reset the ref)
-    from conftest import git, repo_dir
+    from toolhelpers import git, repo_dir
 
     d = repo_dir(hub, REPO)
     git(d, "update-ref", "refs/heads/main", "refs/heads/main~1")

@@ -25,15 +25,7 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.hf_api import RepoFile, RepoFolder
 
-from conftest import (
-    REPO_ROOT,
-    commit_ndjson,
-    file_item,
-    git,
-    raw_request,
-    repo_dir,
-    repo_state,
-)
+from toolhelpers import REPO_ROOT, git, raw_request, repo_state
 
 REPO = "geglu-kernels/tiny"
 K = dict(repo_type="kernel")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from huggingface_hub import CommitOperationAdd, HfApi
 
-from conftest import (
+from toolhelpers import (
     REPO_ROOT,
     TRUSTED_ORG,
     git,
