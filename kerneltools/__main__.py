@@ -1,0 +1,5 @@
+import sys
+
+from kerneltools.cli import main
+
+sys.exit(main())

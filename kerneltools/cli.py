@@ -1,0 +1,35 @@
+"""``python -m kerneltools <subcommand>``: one module per subcommand.
+
+Each module listed in SUBCOMMANDS defines ``add_parser(subparsers)``, which adds its subparser and calls
+``set_defaults(_main=main)``, and ``main(args) -> int``. Keep module-level imports light (import torch,
+huggingface_hub, ... inside ``main``): every module is imported to build the parser.
+To add a subcommand, add one line below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SUBCOMMANDS = [
+    "kerneltools.hub_server",  # serve
+    "kerneltools.publish",  # publish
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m kerneltools", description="Tooling for the GeGLU kernel package.")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in SUBCOMMANDS:
+        importlib.import_module(name).add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "_main", None) is None:
+        parser.print_help(sys.stderr)
+        return 2
+    return int(args._main(args) or 0)

@@ -1,0 +1,160 @@
+"""Helpers for tests/tools: a tiny synthetic kernel build, raw HTTP, repo state, and a runner for kernels code in a
+subprocess (kernels and huggingface_hub read HF_ENDPOINT/KERNELS_CACHE at import). A unique module name, so that it
+never clashes with another directory's conftest."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+TRUSTED_ORG = "geglu-kernels"
+
+
+def git(repo_dir: Path, *args: str) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    return subprocess.run(["git", f"--git-dir={repo_dir}", *args], capture_output=True, text=True, check=True,
+                          env=env).stdout
+
+
+def repo_dir(hub, repo_id: str, repo_type: str = "kernel") -> Path:
+    ns, name = repo_id.split("/")
+    return hub.root / f"{repo_type}s" / ns / f"{name}.git"
+
+
+def make_variant(build_dir: Path, variant: str = "torch-cpu", *, name: str = "tiny", version: int = 1,
+                 sha: str = "abc1234", backend: str = "cpu", dirty: bool = False, marker: str = "",
+                 extra_files: dict[str, str] | None = None, archs: list[str] | None = None) -> str:
+    """A minimal valid noarch variant for kernels 0.17.2; returns its id (unique per sha/backend)."""
+    ops_id = f"_{name}_{backend}_{sha}" + ("_dirty" if dirty else "")
+    d = build_dir / variant
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "__init__.py").write_text(textwrap.dedent(f"""\
+        from . import layers
+        from ._ops import ops, add_op_namespace_prefix
+
+        VERSION = {version}
+        MARKER = {marker!r}
+
+
+        def tiny_add(x, y):
+            return x + y
+
+
+        __all__ = ["layers", "tiny_add", "VERSION", "MARKER"]
+        """))
+    (d / "layers.py").write_text(textwrap.dedent("""\
+        import torch
+
+
+        class TinyDouble(torch.nn.Module):
+            can_torch_compile = False
+            has_backward = True
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return x * 2
+        """))
+    (d / "_ops.py").write_text(textwrap.dedent(f"""\
+        import torch
+        ops = torch.ops.{ops_id}
+        def add_op_namespace_prefix(n):
+            return f"{ops_id}::{{n}}"
+        """))
+    backend_info = {"type": backend}
+    if archs is not None:
+        backend_info["archs"] = archs
+    meta = {"name": name, "id": ops_id, "version": version, "license": "Apache-2.0", "python-depends": [],
+            "backend": backend_info,
+            "provenance": {"kernel-builder": {"version": "0.0.0-test", "commit": "0" * 40, "dirty": False},
+                           "kernel": {"commit": (sha * 6)[:40], "dirty": dirty}}}
+    (d / "metadata.json").write_text(json.dumps(meta, indent=2))
+    for rel, text in (extra_files or {}).items():
+        (d / rel).parent.mkdir(parents=True, exist_ok=True)
+        (d / rel).write_text(text)
+    return ops_id
+
+
+def make_project(root: Path, *, name: str = "tiny", version: int = 1, repo_id: str = f"{TRUSTED_ORG}/tiny") -> Path:
+    """A kernel project dir with build.toml; returns its build/ path (empty)."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "build.toml").write_text(textwrap.dedent(f"""\
+        [general]
+        name = "{name}"
+        version = {version}
+        license = "Apache-2.0"
+        backends = ["cpu", "cuda"]
+
+        [general.hub]
+        repo-id = "{repo_id}"
+
+        [kernel.{name}]
+        backend = "cuda"
+        cuda-capabilities = ["9.0", "8.0"]
+        """))
+    (root / "build").mkdir(exist_ok=True)
+    return root / "build"
+
+
+def kernels_env(hub_url: str, tmp: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "KERNELS_", "HUGGINGFACE_"))}
+    env.update(HF_ENDPOINT=hub_url, KERNELS_CACHE=str(tmp / "kcache"), HF_HOME=str(tmp / "hf_home"),
+               PYTHONPATH=str(REPO_ROOT), TQDM_DISABLE="1")
+    # never HF_HUB_DISABLE_TELEMETRY=1: it breaks kernels 0.17.2 (illegal User-Agent header)
+    return env
+
+
+def run_kernels(hub_url: str, tmp: Path, body: str, timeout: float = 120) -> dict:
+    """Run python code with kernels against the server in a fresh process; the code fills `out` (a dict)."""
+    script = "import json, sys\nout = {}\n" + textwrap.dedent(body) + "\nprint('@@OUT@@' + json.dumps(out))\n"
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=kernels_env(hub_url, tmp),
+                       timeout=timeout)
+    marker = [l for l in r.stdout.splitlines() if l.startswith("@@OUT@@")]
+    if r.returncode != 0 or not marker:
+        raise AssertionError(f"kernels subprocess failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}")
+    out = json.loads(marker[-1][len("@@OUT@@"):])
+    out["_stderr"] = r.stderr
+    return out
+
+
+def run_cli(args: list[str], env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(args, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def raw_request(hub_url: str, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+    """One HTTP request with exact control of path and body; returns (status, headers, body)."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    u = urlsplit(hub_url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        r = conn.getresponse()
+        return r.status, r.headers, r.read()
+    finally:
+        conn.close()
+
+
+def repo_state(hub, repo_id: str, repo_type: str = "kernel") -> str:
+    """Refs of the bare repo, after checking it is consistent (git fsck)."""
+    d = repo_dir(hub, repo_id, repo_type)
+    git(d, "fsck", "--no-dangling", "--no-progress")
+    return git(d, "for-each-ref", "--format=%(refname) %(objectname)")
+
+
+def commit_ndjson(header: dict, *items: dict) -> bytes:
+    lines = [{"key": "header", "value": header}, *items]
+    return b"".join(json.dumps(x).encode() + b"\n" for x in lines)
+
+
+def file_item(path: str, data: bytes) -> dict:
+    import base64
+
+    return {"key": "file", "value": {"path": path, "content": base64.b64encode(data).decode(), "encoding": "base64"}}
