@@ -167,7 +167,7 @@ def add_parser(sub) -> None:
     p.add_argument("--quick", action="store_true", help="fewer sizes, no max-autotune")
     p.add_argument("--no-peers", action="store_true", help="skip torch.compile and Liger")
     p.add_argument("--dtype", action="append", choices=["bfloat16", "float16", "float32"])
-    p.set_defaults(func=main)
+    p.set_defaults(_main=main)
 
 
 def main(args) -> int:
@@ -184,4 +184,4 @@ if __name__ == "__main__":  # python -m kerneltools.bench
     ap = argparse.ArgumentParser()
     add_parser(ap.add_subparsers())
     a = ap.parse_args(["bench", *sys.argv[1:]])
-    sys.exit(a.func(a))
+    sys.exit(a._main(a))

@@ -175,13 +175,14 @@ def write_metadata(variant_dir: Path, cfg: KernelConfig, sid: SourceId, ops_name
         "python-depends": [],
         "backend": backend,
         "digest": file_digest(variant_dir),
-        "provenance": {
-            # The builder lives in this repository, so its commit is the kernel's.
-            "kernel-builder": {"version": f"{BUILDER_NAME}-{BUILDER_VERSION}", "commit": sid.commit or "unknown",
-                               "dirty": sid.dirty},
-            "kernel": {"commit": sid.commit or "unknown", "dirty": sid.dirty},
-        },
     }
+    if sid.commit:  # the loader requires full commit ids whenever provenance is present
+        # The builder lives in this repository, so its commit is the kernel's.
+        meta["provenance"] = {
+            "kernel-builder": {"version": f"{BUILDER_NAME}-{BUILDER_VERSION}", "commit": sid.commit,
+                               "dirty": sid.dirty},
+            "kernel": {"commit": sid.commit, "dirty": sid.dirty},
+        }
     (variant_dir / "metadata.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
 
@@ -242,7 +243,7 @@ def add_parser(sub) -> None:
                    help="variant(s) to build (default: all)")
     p.add_argument("--capability", default=None,
                    help="compile for this one CUDA capability (e.g. 9.0) instead of build.toml's list")
-    p.set_defaults(func=main)
+    p.set_defaults(_main=main)
 
 
 def main(args) -> int:

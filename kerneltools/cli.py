@@ -13,8 +13,10 @@ import importlib
 import sys
 
 SUBCOMMANDS = [
+    "kerneltools.build",  # build
     "kerneltools.hub_server",  # serve
     "kerneltools.publish",  # publish
+    "kerneltools.bench",  # bench
 ]
 
 
