@@ -148,6 +148,126 @@ def run(build_dir: Path, out_dir: Path, quick: bool, peers: bool, dtypes: list[s
     return result
 
 
+MLP_SHAPES = [(8192, 2304, 9216), (8192, 4096, 14336), (16, 4096, 14336)]
+
+
+def cublas_tflops(torch) -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    t = _median_us(lambda: a @ b, rep_ms=500)
+    return 2 * 8192**3 / (t * 1e-6) / 1e12
+
+
+def run_mlp(build_dir: Path, shapes=MLP_SHAPES, log=print) -> dict:
+    """The whole MLP (bf16, tanh GeGLU): eager, torch.compile, Liger's LigerGEGLUMLP and our GeGLUMLP layer;
+    forward and forward+backward median times, % of the cuBLAS FLOP rate measured here, peak memory."""
+    import torch
+    import kernels
+    from torch import nn
+
+    geglu = kernels.get_local_kernel(build_dir)
+    peak_tflops = cublas_tflops(torch)
+    log(f"cuBLAS bf16 8192^3: {peak_tflops:.0f} TFLOP/s")
+    try:
+        from liger_kernel.transformers.geglu import LigerGEGLUMLP  # type: ignore
+    except Exception:
+        LigerGEGLUMLP = None
+    rows = []
+    for M, D, H in shapes:
+        class GatedMLP(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.gate_proj = nn.Linear(D, H, bias=False)
+                self.up_proj = nn.Linear(D, H, bias=False)
+                self.down_proj = nn.Linear(H, D, bias=False)
+                self.act_fn = nn.GELU(approximate="tanh")
+
+            def forward(self, x):
+                return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+        base = GatedMLP().to("cuda", torch.bfloat16)
+        impls = {"eager": base, "torch.compile": torch.compile(base, dynamic=False)}
+        if LigerGEGLUMLP is not None:
+            class Cfg:
+                hidden_size, intermediate_size, hidden_act = D, H, "gelu_pytorch_tanh"
+
+            liger = LigerGEGLUMLP(Cfg()).to("cuda", torch.bfloat16)
+            liger.load_state_dict(base.state_dict(), strict=False)
+            impls["liger"] = liger
+        ours = GatedMLP().to("cuda", torch.bfloat16)
+        ours.load_state_dict(base.state_dict())
+        ours.forward = geglu.layers.GeGLUMLP.forward.__get__(ours)  # what kernelize does
+        impls["ours"] = ours
+        x = torch.randn(M, D, device="cuda", dtype=torch.bfloat16)
+        xg = x.clone().requires_grad_()
+        dy = torch.randn(M, D, device="cuda", dtype=torch.bfloat16)
+        flops_f = 6 * M * D * H
+        for name, mod in impls.items():
+            params = [p for p in mod.parameters()] + [xg]
+
+            def fwd():
+                with torch.no_grad():
+                    mod(x)
+
+            def fwd_bwd():
+                torch.autograd.grad(mod(xg), params, dy)
+
+            t_f, t_fb = _median_us(fwd), _median_us(fwd_bwd)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            fwd_bwd()
+            torch.cuda.synchronize()
+            peak = (torch.cuda.max_memory_allocated() - before) / 2**20
+            rows.append(dict(M=M, D=D, H=H, impl=name, fwd_us=round(t_f, 1), fwd_bwd_us=round(t_fb, 1),
+                             fwd_pct_cublas=round(100 * flops_f / (t_f * 1e-6) / 1e12 / peak_tflops, 1),
+                             fwd_bwd_pct_cublas=round(100 * 3 * flops_f / (t_fb * 1e-6) / 1e12 / peak_tflops, 1),
+                             peak_mib=round(peak, 1)))
+            log(f"MLP {M}x{D}x{H} {name}: fwd {t_f:.1f}us fwd+bwd {t_fb:.1f}us peak {peak:.0f} MiB")
+        del impls, base, ours, x, xg, dy
+        torch.cuda.empty_cache()
+    return dict(cublas_tflops=round(peak_tflops, 1), rows=rows)
+
+
+def mlp_markdown(res: dict) -> str:
+    lines = ["", f"## Whole MLP (bf16, tanh), cuBLAS 8192^3 at {res['cublas_tflops']} TFLOP/s in the same run", "",
+             "| M x D x H | impl | fwd µs | fwd % cuBLAS | fwd+bwd µs | fwd+bwd % cuBLAS | peak extra MiB (fwd+bwd) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        lines.append(f"| {r['M']}x{r['D']}x{r['H']} | {r['impl']} | {r['fwd_us']} | {r['fwd_pct_cublas']} | "
+                     f"{r['fwd_bwd_us']} | {r['fwd_bwd_pct_cublas']} | {r['peak_mib']} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    """% of the copy floor per implementation, bf16 tanh, forward and forward+backward."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:
+        return
+    rows = [r for r in result["rows"] if r["dtype"] == "bfloat16" and r["approximate"] == "tanh"]
+    sizes = sorted({(r["M"], r["d"]) for r in rows if r["M"] >= 1024})
+    impls = sorted({r["impl"] for r in rows})
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4), sharey=True)
+    for ax, pas in zip(axes, ("fwd", "fwd+bwd")):
+        w = 0.8 / max(len(impls), 1)
+        for i, impl in enumerate(impls):
+            vals = [next((r["pct_floor"] for r in rows if (r["M"], r["d"]) == s and r["impl"] == impl
+                          and r["pass_"] == pas), 0) for s in sizes]
+            ax.bar([j + i * w for j in range(len(sizes))], vals, w, label=impl)
+        ax.set_xticks([j + 0.4 - w / 2 for j in range(len(sizes))], [f"{m}x{d}" for m, d in sizes])
+        ax.set_title(f"{pas}, bf16 tanh")
+        ax.axhline(100, color="k", lw=0.5)
+    axes[0].set_ylabel("% of copy floor")
+    axes[1].legend(fontsize=7)
+    fig.suptitle(f"GeGLU on {result['meta']['card']} (commit {result['meta']['commit']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def to_markdown(result: dict) -> str:
     m = result["meta"]
     lines = [f"# Pointwise GeGLU on {m['card']}", "",
@@ -167,6 +287,7 @@ def add_parser(sub) -> None:
     p.add_argument("--quick", action="store_true", help="fewer sizes, no max-autotune")
     p.add_argument("--no-peers", action="store_true", help="skip torch.compile and Liger")
     p.add_argument("--dtype", action="append", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--no-mlp", action="store_true", help="skip the whole-MLP benchmark")
     p.set_defaults(_main=main)
 
 
@@ -176,7 +297,15 @@ def main(args) -> int:
     if not torch.cuda.is_available():
         print("error: the benchmark needs a CUDA GPU.", file=sys.stderr)
         return 2
-    run(args.build_dir, args.out, args.quick, not args.no_peers, args.dtype or ["bfloat16", "float16", "float32"])
+    res = run(args.build_dir, args.out, args.quick, not args.no_peers,
+              args.dtype or ["bfloat16", "float16", "float32"])
+    plot(res, args.out / "pointwise.png")
+    if not args.no_mlp:
+        mlp = run_mlp(args.build_dir)
+        res["mlp"] = mlp
+        (args.out / "pointwise.json").write_text(json.dumps(res, indent=1))
+        with (args.out / "pointwise.md").open("a") as f:
+            f.write(mlp_markdown(mlp))
     return 0
 
 

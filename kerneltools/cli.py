@@ -18,6 +18,7 @@ SUBCOMMANDS = [
     "kerneltools.publish",  # publish
     "kerneltools.bench",  # bench
     "kerneltools.demo",  # demo
+    "kerneltools.profile",  # profile
 ]
 
 
