@@ -175,11 +175,12 @@ def write_metadata(variant_dir: Path, cfg: KernelConfig, sid: SourceId, ops_name
         "python-depends": [],
         "backend": backend,
         "digest": file_digest(variant_dir),
-        "provenance": {
-            "kernel-builder": {"version": f"{BUILDER_NAME}-{BUILDER_VERSION}", "commit": None, "dirty": False},
-            "kernel": {"commit": sid.commit, "dirty": sid.dirty},
-        },
+        # kernels' strict parser rejects null: `commit` must be a 40/64-hex git id given together with `dirty`,
+        # so the builder (no git id of its own) states its version only, and `kernel` is left out outside git.
+        "provenance": {"kernel-builder": {"version": f"{BUILDER_NAME}-{BUILDER_VERSION}"}},
     }
+    if sid.commit is not None:
+        meta["provenance"]["kernel"] = {"commit": sid.commit, "dirty": sid.dirty}
     (variant_dir / "metadata.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
 
