@@ -23,6 +23,7 @@ sources alone only recompiles the small binding and relinks.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -445,6 +446,8 @@ def _extra_nvcc_flags() -> list[str]:
 def build_compiled(cfg: KernelConfig, out_root: Path, sid: SourceId, capability: str | None = None, log=print) -> Path:
     """Write ``out_root/torch-stable-abi<XY>-cu<XY>-<cpu>-linux/`` and return it (see the module docstring)."""
     t0 = time.monotonic()
+    if log is print:
+        log = functools.partial(print, flush=True)  # progress shows up promptly in CI logs too
     nvcc = probe_nvcc(find_nvcc())
     caps = select_capabilities(cfg, nvcc, capability, log)
     variant = out_root / variant_name(cfg, nvcc)
