@@ -27,50 +27,8 @@ namespace geglu {
 namespace {
 
 constexpr int kMaxThreads = 256;
-
-// Row/column of a flat vector index. mode 0: one row. mode 1: total < 2^32, divide with a 32-bit magic
-// multiplier (Granlund-Montgomery, as PyTorch's IntDivider; the 33-bit sum is formed in 64 bits, so it is
-// exact for every 32-bit numerator). mode 2: 64-bit division (more than 2^32 vectors).
-struct RowDivider {
-  int64_t nvec;      // vectors per row
-  uint32_t magic;    // mode 1
-  uint32_t shift;    // mode 1
-  int mode;
-
-  static RowDivider make(int64_t rows, int64_t nvec) {
-    RowDivider d{nvec, 0, 0, 0};
-    if (rows <= 1) {
-      d.mode = 0;
-    } else if (static_cast<uint64_t>(rows) * static_cast<uint64_t>(nvec) <= 0xFFFFFFFFull) {
-      d.mode = 1;  // then nvec <= 2^31
-      uint32_t s = 0;
-      while (s < 32 && (uint64_t(1) << s) < static_cast<uint64_t>(nvec)) ++s;
-      const uint64_t magic = ((uint64_t(1) << 32) * ((uint64_t(1) << s) - static_cast<uint64_t>(nvec))) /
-                                 static_cast<uint64_t>(nvec) + 1;
-      d.magic = static_cast<uint32_t>(magic);  // < 2^32 since nvec > 2^(s-1)
-      d.shift = s;
-    } else {
-      d.mode = 2;
-    }
-    return d;
-  }
-
-  __device__ __forceinline__ void split(int64_t idx, int64_t& row, int64_t& col) const {
-    if (mode == 0) {
-      row = 0;
-      col = idx;
-    } else if (mode == 1) {
-      const uint32_t n = static_cast<uint32_t>(idx);
-      const uint32_t t = __umulhi(n, magic);
-      const uint32_t q = static_cast<uint32_t>((static_cast<uint64_t>(t) + n) >> shift);
-      row = q;
-      col = static_cast<int64_t>(n - q * static_cast<uint32_t>(nvec));
-    } else {
-      row = idx / nvec;
-      col = idx - row * nvec;
-    }
-  }
-};
+using device::RowDivider;
+using device::valid;
 
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Vec {
@@ -164,13 +122,6 @@ struct BwdArgs {
   int64_t total;
   RowDivider div;
 };
-
-// Elements of vector `col` of a row that exist (kVec, fewer for the last partial vector, 0 past the end).
-template <int kVec>
-__device__ __forceinline__ int valid(int64_t col, int64_t cols) {
-  const int64_t rest = cols - col * kVec;
-  return rest >= kVec ? kVec : static_cast<int>(rest);
-}
 
 template <typename T, int kVec, int kUnroll, bool kTanh>
 __global__ void __launch_bounds__(kMaxThreads) geglu_fwd_kernel(const FwdArgs<T> a) {

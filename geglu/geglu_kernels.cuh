@@ -129,6 +129,63 @@ __device__ __forceinline__ float gelu_and_backward(float x, float dy, float& h) 
   }
 }
 
+// ---- work decomposition helpers (host and device, so that tests/kernel/test_cuda_indexing.py can run them) --
+
+// Row/column of a flat vector index. mode 0: one row. mode 1: total <= 2^32 - 1, divide with a 32-bit magic
+// multiplier (Granlund-Montgomery's round-up method, as PyTorch's IntDivider; the 33-bit sum is formed in
+// 64 bits, so it is exact for every 32-bit numerator). mode 2: 64-bit division (more than 2^32 - 1 vectors).
+struct RowDivider {
+  int64_t nvec;    // vectors per row
+  uint32_t magic;  // mode 1
+  uint32_t shift;  // mode 1
+  int mode;
+
+  static RowDivider make(int64_t rows, int64_t nvec) {
+    RowDivider d{nvec, 0, 0, 0};
+    if (rows <= 1) {
+      d.mode = 0;
+    } else if (static_cast<uint64_t>(rows) * static_cast<uint64_t>(nvec) <= 0xFFFFFFFFull) {
+      d.mode = 1;  // then nvec <= 2^31
+      uint32_t s = 0;
+      while (s < 32 && (uint64_t(1) << s) < static_cast<uint64_t>(nvec)) ++s;
+      const uint64_t magic = ((uint64_t(1) << 32) * ((uint64_t(1) << s) - static_cast<uint64_t>(nvec))) /
+                                 static_cast<uint64_t>(nvec) + 1;
+      d.magic = static_cast<uint32_t>(magic);  // < 2^32 since 2^(s-1) < nvec <= 2^s
+      d.shift = s;
+    } else {
+      d.mode = 2;
+    }
+    return d;
+  }
+
+  __host__ __device__ __forceinline__ void split(int64_t idx, int64_t& row, int64_t& col) const {
+    if (mode == 0) {
+      row = 0;
+      col = idx;
+    } else if (mode == 1) {
+      const uint32_t n = static_cast<uint32_t>(idx);
+#ifdef __CUDA_ARCH__
+      const uint32_t t = __umulhi(n, magic);
+#else
+      const uint32_t t = static_cast<uint32_t>((static_cast<uint64_t>(n) * magic) >> 32);
+#endif
+      const uint32_t q = static_cast<uint32_t>((static_cast<uint64_t>(t) + n) >> shift);
+      row = q;
+      col = static_cast<int64_t>(n - q * static_cast<uint32_t>(nvec));
+    } else {
+      row = idx / nvec;
+      col = idx - row * nvec;
+    }
+  }
+};
+
+// Elements of vector `col` of a row that exist: kVec, fewer for the last (partial) vector of a row.
+template <int kVec>
+__host__ __device__ __forceinline__ int valid(int64_t col, int64_t cols) {
+  const int64_t rest = cols - col * kVec;
+  return rest >= kVec ? kVec : static_cast<int>(rest);
+}
+
 }  // namespace device
 }  // namespace geglu
 #endif  // __CUDACC__
