@@ -7,14 +7,15 @@
 PYTORCH_NO_CUDA_MEMORY_CACHING=1 gives every tensor its own cudaMalloc, so memcheck sees an access one element
 past a tensor (the caching allocator would hide it inside its pool). Every case covers fp32/fp16/bf16 x exact/tanh
 and forward + backward: odd d, M = 1, strided rows (vector and scalar paths), packed halves, unaligned bases,
-in-place backward, empty inputs, and (without --quick) tensors of more than 2^31 elements (contiguous, and
-packed halves of a [M, 2d] tensor, i.e. strided rows). Results are also compared bitwise with eager PyTorch.
-Exits non-zero on a mismatch.
+in-place backward, empty inputs, under several launch plans (one tile per block, cp.async pipeline), and
+(without --quick) tensors of more than 2^31 elements (contiguous, and packed halves of a [M, 2d] tensor, i.e.
+strided rows). Results are also compared bitwise with eager PyTorch. Exits non-zero on a mismatch.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -117,6 +118,8 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--build-dir", default=None, help="build/ holding the compiled variant (default: $GEGLU_BUILD_DIR or build/)")
     p.add_argument("--quick", action="store_true", help="skip the >2^31-element tensors")
+    p.add_argument("--plans", nargs="+", default=["auto", "256,1", "256,2", "64,1", "256,p2", "64,p4"],
+                   help="launch plans to sweep (GEGLU_CUDA_PLAN values; auto = the built-in choice)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -126,13 +129,19 @@ def main(argv=None) -> int:
     failures: list[str] = []
     t0 = time.monotonic()
     n = 0
-    for dtype in DTYPES:
-        for name, *tensors in small_cases(dtype):
-            run_case(ops, name, *tensors, failures)
-            n += 1
+    for plan in args.plans:  # GEGLU_CUDA_PLAN is read at every launch
+        os.environ["GEGLU_CUDA_PLAN"] = "" if plan == "auto" else plan
+        for dtype in DTYPES:
+            for name, *tensors in small_cases(dtype):
+                run_case(ops, f"[{plan}] {name}", *tensors, failures)
+                n += 1
+        torch.cuda.synchronize()
     if not args.quick:
-        big_cases(ops, failures)
-        n += 2
+        for plan in ("auto", "256,2"):  # the pipelined and the one-tile-per-block kernels
+            os.environ["GEGLU_CUDA_PLAN"] = "" if plan == "auto" else plan
+            big_cases(ops, failures)
+            n += 2
+    os.environ.pop("GEGLU_CUDA_PLAN", None)
     torch.cuda.synchronize()
     for f in failures:
         print("MISMATCH", f)

@@ -252,6 +252,54 @@ def test_broadcast_rows_input(ops):
         ops.geglu_fwd(torch.empty(1, d, device="cuda", dtype=torch.bfloat16).expand(64, d), u, u, False)
 
 
+# --- every launch plan (GEGLU_CUDA_PLAN is read at each launch) ---------------------------------------------------
+
+PLANS = ["256,1", "256,2", "256,4", "64,1", "32,2", "256,p2", "256,p4", "128,p4", "64,p2"]
+
+
+@pytest.fixture
+def plan(request, monkeypatch):
+    monkeypatch.setenv("GEGLU_CUDA_PLAN", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("plan", PLANS, indirect=True)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t)[6:])
+def test_every_plan(ops, plan, dtype):
+    """Each forced plan (one tile per block, pipelined) on contiguous, odd, packed, strided, unaligned and
+    in-place inputs; a large case makes the pipelined grid loop over many tiles per block."""
+    for approx in APPROX:
+        for m, d in [(1, 14336), (3, 7), (1024, 13824), (300, 9216)]:
+            g, u, dy = randn(m, d, dtype=dtype), randn(m, d, dtype=dtype), randn(m, d, dtype=dtype)
+            out, dg, du = torch.empty_like(g), torch.empty_like(g), torch.empty_like(g)
+            check_fwd(ops, out, g, u, approx, f"plan {plan} {m}x{d}")
+            check_bwd(ops, dg, du, dy, g, u, approx, f"plan {plan} {m}x{d}")
+        m, d = 77, 4096
+        x, dy = randn(m, 2 * d, dtype=dtype), randn(m, d, dtype=dtype)
+        grad = torch.empty(m, 2 * d, device="cuda", dtype=dtype)
+        out = torch.empty(m, d, device="cuda", dtype=dtype)
+        check_fwd(ops, out, x[:, :d], x[:, d:], approx, f"plan {plan} packed")
+        check_bwd(ops, grad[:, :d], grad[:, d:], dy, x[:, :d], x[:, d:], approx, f"plan {plan} packed")
+        w = lambda pad: randn(m, d + pad, dtype=dtype)[:, :d]  # noqa: E731
+        for pad in (8, 3):
+            check_fwd(ops, w(pad), w(pad), w(pad), approx, f"plan {plan} pitch {d + pad}")
+            check_bwd(ops, w(pad), w(pad), w(pad), w(pad), w(pad), approx, f"plan {plan} pitch {d + pad}")
+        un = randn(m * d + 1, dtype=dtype)[1:].view(m, d)
+        check_fwd(ops, torch.empty_like(un), un, randn(m, d, dtype=dtype), approx, f"plan {plan} unaligned")
+        g, u, dy = randn(m, d, dtype=dtype), randn(m, d, dtype=dtype), randn(m, d, dtype=dtype)
+        ref_dg, ref_du = eager_bwd(dy, g, u, approx)
+        ops.geglu_bwd(g, u, dy, g, u, approx == "tanh")
+        assert_bitwise(g, ref_dg, f"plan {plan} in-place d_gate")
+        assert_bitwise(u, ref_du, f"plan {plan} in-place d_up")
+
+
+def test_malformed_plan_is_ignored(ops, monkeypatch):
+    g, u = randn(64, 4096, dtype=torch.bfloat16), randn(64, 4096, dtype=torch.bfloat16)
+    for bad in ["", "256", "256,3", "300,1", "256,p3", "abc", "256,1,x"]:
+        monkeypatch.setenv("GEGLU_CUDA_PLAN", bad)
+        check_fwd(ops, torch.empty_like(g), g, u, "none", f"plan {bad!r}")
+
+
 # --- streams, graphs, devices ------------------------------------------------------------------------------------
 
 

@@ -19,6 +19,7 @@ HARNESS = r"""
 #include <cstdio>
 #include <cstdint>
 #include <vector>
+#include <algorithm>
 
 using geglu::device::RowDivider;
 using geglu::device::valid;
@@ -54,17 +55,22 @@ static void check_division(int64_t nvec) {
   }
 }
 
-static void check_coverage(int64_t rows, int64_t cols, int vec, int threads, int unroll, bool force64) {
+// grid == 0: one tile per block (grid = ntiles); grid > 0: the pipelined kernels' loop, tile += grid.
+static void check_coverage(int64_t rows, int64_t cols, int vec, int threads, int unroll, bool force64,
+                           int64_t grid = 0) {
   const int64_t nvec = (cols + vec - 1) / vec;
   const int64_t total = rows * nvec;
   RowDivider d = RowDivider::make(rows, nvec);
   if (force64 && d.mode == 1) d.mode = 2;
   std::vector<unsigned char> seen(static_cast<size_t>(rows * cols), 0);
-  const int64_t blocks = (total + int64_t(threads) * unroll - 1) / (int64_t(threads) * unroll);
+  const int64_t ntiles = (total + int64_t(threads) * unroll - 1) / (int64_t(threads) * unroll);
+  const int64_t blocks = grid > 0 ? std::min(grid, ntiles) : ntiles;
+  const int64_t step = grid > 0 ? blocks : ntiles;
   for (int64_t b = 0; b < blocks; ++b)
+    for (int64_t tile = b; tile < ntiles; tile += step)
     for (int t = 0; t < threads; ++t)
       for (int j = 0; j < unroll; ++j) {  // the kernels' loop
-        const int64_t idx = b * unroll * threads + t + int64_t(j) * threads;
+        const int64_t idx = tile * unroll * threads + t + int64_t(j) * threads;
         if (idx >= total) continue;
         int64_t row, col;
         d.split(idx, row, col);
@@ -96,6 +102,10 @@ int main() {
       for (int threads : {64, 128, 256})
         for (int unroll : {1, 2, 4})
           for (bool force64 : {false, true}) check_coverage(s[0], s[1], vec, threads, unroll, force64);
+  for (auto& s : shapes)  // pipelined: one vector per thread per tile, grids smaller and larger than ntiles
+    for (int vec : {4, 8})
+      for (int threads : {64, 256})
+        for (int64_t grid : {1, 3, 7, 1000}) check_coverage(s[0], s[1], vec, threads, 1, false, grid);
   std::printf("%s (%d failures)\n", failures ? "FAILED" : "OK", failures);
   return failures ? 1 : 0;
 }

@@ -283,13 +283,22 @@ def test_sass_uses_128bit_accesses_and_no_local_memory(built):
         pytest.skip("cuobjdump not found")
     sass = subprocess.run([tool, "-sass", str(built.so)], capture_output=True, text=True, check=True).stdout
     kernels = re.split(r"\n\s*Function : ", sass)[1:]
-    assert len(kernels) == 72, len(kernels)  # {fwd,bwd} x 3 dtypes x {exact,tanh} x {vector,scalar} x unroll {1,2,4}
+    # {fwd, bwd} x 3 dtypes x {exact, tanh} x (vector: tile unroll 1, 2 + pipelined 2, 4 stages; scalar: 1, 2, 4)
+    assert len(kernels) == 84, len(kernels)
+    seen = set()
     for body in kernels:
         name = body.split("\n", 1)[0]
-        vector = re.search(r"kernelI(f|6__half|13__nv_bfloat16)Li(4|8)E", name) is not None
-        if vector:
+        m = re.search(r"geglu_(fwd|bwd)_kernelI(f|6__half|13__nv_bfloat16)Li(\d+)ELi(\d+)ELb([01])ELi(\d+)E", name)
+        assert m, name
+        vec, stages = int(m.group(3)), int(m.group(6))
+        seen.add((m.group(1), m.group(2), vec, int(m.group(4)), m.group(5), stages))
+        if vec > 1 and stages == 0:
             assert "LDG.E.128" in body and "STG.E.128" in body, name
+        if stages > 0:  # cp.async 16-byte copies into shared memory, 16-byte reads back, 16-byte stores
+            assert "LDGSTS.E.BYPASS.128" in body and "LDS.128" in body and "STG.E.128" in body, name
+            assert f"DEPBAR.LE SB0, 0x{stages - 1:x}" in body, name  # cp.async.wait_group kStages - 1
         assert not re.search(r"\b(LDL|STL)\b", body), f"local memory (spills) in {name}"
+    assert len(seen) == 84
 
 
 # --- caching -------------------------------------------------------------------------------------------------
