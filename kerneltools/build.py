@@ -175,14 +175,12 @@ def write_metadata(variant_dir: Path, cfg: KernelConfig, sid: SourceId, ops_name
         "python-depends": [],
         "backend": backend,
         "digest": file_digest(variant_dir),
+        # kernels' strict parser rejects null: `commit` must be a 40/64-hex git id given together with `dirty`,
+        # so the builder (no git id of its own) states its version only, and `kernel` is left out outside git.
+        "provenance": {"kernel-builder": {"version": f"{BUILDER_NAME}-{BUILDER_VERSION}"}},
     }
-    if sid.commit:  # the loader requires full commit ids whenever provenance is present
-        # The builder lives in this repository, so its commit is the kernel's.
-        meta["provenance"] = {
-            "kernel-builder": {"version": f"{BUILDER_NAME}-{BUILDER_VERSION}", "commit": sid.commit,
-                               "dirty": sid.dirty},
-            "kernel": {"commit": sid.commit, "dirty": sid.dirty},
-        }
+    if sid.commit is not None:
+        meta["provenance"]["kernel"] = {"commit": sid.commit, "dirty": sid.dirty}
     (variant_dir / "metadata.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
 

@@ -1,0 +1,394 @@
+"""The compiled CUDA variant's builder (kerneltools.cuda_build), on a machine without a GPU.
+
+Builds once for ONE capability (9.0, ~20-30 s on 2 cores) into a temporary build/ next to the noarch variants,
+then checks kernel-builder's output contract, the ABI, how the `kernels` loader treats the variants on a CPU
+torch, the op schemas (by loading the library against a stub libtorch_cuda.so), the SASS (128-bit accesses,
+no local memory), the no-op rebuild, and the error messages.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kerneltools import build as kbuild
+from kerneltools import cuda_build
+
+REPO = Path(__file__).resolve().parents[2]
+CAP = "9.0"
+OPS_RE = re.compile(r"^_geglu_cuda_[0-9a-f]{7}(_dirty)?$")
+SCHEMAS = {
+    "geglu_fwd": "geglu_fwd(Tensor(a!) out, Tensor gate, Tensor up, bool tanh) -> ()",
+    "geglu_bwd": "geglu_bwd(Tensor(a!) d_gate, Tensor(b!) d_up, Tensor grad, Tensor gate, Tensor up, bool tanh) -> ()",
+}
+
+
+def _nvcc_or_none():
+    try:
+        return cuda_build.find_nvcc()
+    except kbuild.BuildError:
+        return None
+
+
+needs_nvcc = pytest.mark.skipif(_nvcc_or_none() is None, reason="nvcc (CUDA toolkit) not installed")
+
+
+def _cuobjdump() -> str | None:
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    nvcc = _nvcc_or_none()
+    if nvcc and (nvcc.parent / "cuobjdump").is_file():
+        return str(nvcc.parent / "cuobjdump")
+    try:  # Triton's wheel ships one
+        import triton
+
+        p = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+        return str(p) if p.is_file() else None
+    except ImportError:
+        return None
+
+
+class Built:
+    def __init__(self, out: Path, variant: Path, log: list[str], seconds: float, cache: Path):
+        self.out, self.variant, self.log, self.seconds, self.cache = out, variant, log, seconds, cache
+
+    @property
+    def ops(self) -> str:
+        return json.loads((self.variant / "metadata.json").read_text())["id"]
+
+    @property
+    def so(self) -> Path:
+        return self.variant / f"{self.ops}.abi3.so"
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> Built:
+    if _nvcc_or_none() is None:
+        pytest.skip("nvcc (CUDA toolkit) not installed")
+    out = tmp_path_factory.mktemp("build")
+    cache = tmp_path_factory.mktemp("objcache")
+    log: list[str] = []
+    old = os.environ.get("KERNELTOOLS_CUDA_CACHE")
+    os.environ["KERNELTOOLS_CUDA_CACHE"] = str(cache)  # a cold object cache: this really compiles
+    try:
+        t0 = time.monotonic()
+        paths = kbuild.build(REPO, out, variants=["cpu", "cuda", "cuda-compiled"], capability=CAP, log=log.append)
+        seconds = time.monotonic() - t0
+    finally:
+        if old is None:
+            os.environ.pop("KERNELTOOLS_CUDA_CACHE", None)
+        else:
+            os.environ["KERNELTOOLS_CUDA_CACHE"] = old
+    return Built(out, paths[-1], log, seconds, cache)
+
+
+# --- kernel-builder's output contract ------------------------------------------------------------------------
+
+
+def test_variant_name_and_flat_layout(built):
+    nvcc = cuda_build.probe_nvcc(cuda_build.find_nvcc())
+    assert built.variant.name == f"torch-stable-abi210-cu{nvcc.major}{nvcc.minor}-x86_64-linux"
+    assert built.variant.parent == built.out
+    assert OPS_RE.match(built.ops), built.ops
+    entries = sorted(p.name for p in built.variant.iterdir())
+    assert not [p for p in built.variant.iterdir() if p.is_dir()], f"variant folder must be flat: {entries}"
+    package = sorted(p.name for p in (REPO / "torch-ext" / "geglu").glob("*.py") if p.name != "_ops.py")
+    assert entries == sorted(package + ["_ops.py", "metadata.json", f"{built.ops}.abi3.so"])
+    assert "__init__.py" in entries
+    assert any("compiling device code" in line for line in built.log), "progress lines missing"
+    assert any("ABI check" in line for line in built.log)
+
+
+def test_ops_py_contract(built):
+    text = (built.variant / "_ops.py").read_text()
+    assert text == kbuild.ops_py(built.ops, load_library=True)
+    tree = ast.parse(text)
+    imports = [n for n in tree.body if isinstance(n, ast.ImportFrom) and n.level == 1]
+    assert [a.name for n in imports for a in n.names] == [built.ops]  # `from . import <OPS>` loads the .so
+    assert f"ops = torch.ops.{built.ops}" in text
+    assert "HAS_CUDA_LIB = True" in text
+    funcs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    ns: dict = {}
+    exec(compile(ast.Module(body=[funcs["add_op_namespace_prefix"]], type_ignores=[]), "_ops.py", "exec"), ns)
+    assert ns["add_op_namespace_prefix"]("geglu_fwd") == f"{built.ops}::geglu_fwd"
+
+
+def test_metadata(built):
+    import kernels
+    import kernels_data
+
+    path = built.variant / "metadata.json"
+    for parse in (kernels_data.Metadata.read_from_file, lambda p: kernels.Metadata.from_bytes(p.read_bytes())):
+        meta = parse(path)
+        assert str(meta.name) == "geglu"
+        assert meta.id == built.ops
+        assert meta.version == 1
+        assert meta.license == "Apache-2.0"
+        assert list(meta.python_depends) == []
+        assert str(meta.backend.backend_type).lower().endswith("cuda")
+        assert list(meta.backend.archs) == [f"{CAP}+PTX"]
+    raw = json.loads(path.read_text())
+    assert raw["backend"]["type"] == "cuda"
+    # The digest is what kernels-data computes for the folder.
+    digest = kernels_data.Digest.hash_variant(kernels_data.DigestAlgorithm.SHA256, built.variant)
+    kernels_data.Metadata.read_from_file(path).digest.validate(digest)
+
+
+def test_metadata_archs_full_list():
+    caps = ["8.0", "8.6", "8.9", "9.0", "10.0", "12.0"]
+    assert cuda_build.metadata_archs(caps) == ["8.0", "8.6", "8.9", "9.0", "10.0", "12.0+PTX"]
+    flags = cuda_build.gencode_flags(caps)
+    assert flags[0] == "-gencode=arch=compute_80,code=sm_80"
+    assert flags[-1] == "-gencode=arch=compute_120,code=[sm_120,compute_120]"
+
+
+# --- ABI -----------------------------------------------------------------------------------------------------
+
+
+def test_abi_check(built):
+    from kernel_abi_check import ObjectFile
+
+    obj = ObjectFile(str(built.so))
+    assert obj.check_manylinux("manylinux_2_28") == []
+    assert obj.check_python_abi("3.9") == []
+    assert cuda_build.abi_violations(built.so) == []
+
+
+@pytest.mark.skipif(shutil.which("readelf") is None, reason="readelf (binutils) not installed")
+def test_linking_and_exports(built):
+    dyn = subprocess.run(["readelf", "-d", "-W", str(built.so)], capture_output=True, text=True, check=True).stdout
+    needed = re.findall(r"\(NEEDED\)\s+Shared library: \[(.+?)\]", dyn)
+    for lib in ("libtorch_cpu.so", "libc10.so", "libtorch_cuda.so"):
+        assert lib in needed, f"{lib} must be DT_NEEDED so the torch shim symbols resolve: {needed}"
+    assert any(n.startswith("libcudart.so.") for n in needed), "-cudart shared expected"
+    assert f"Library soname: [{built.so.name}]" in dyn
+    syms = subprocess.run(["readelf", "--dyn-syms", "-W", str(built.so)], capture_output=True, text=True, check=True).stdout
+    exported = {
+        line.split()[-1].split("@")[0]
+        for line in syms.splitlines()
+        if re.search(r"\b(FUNC|OBJECT)\b", line) and " UND " not in line and "GLOBAL" in line
+    }
+    assert exported == {f"PyInit_{built.ops}"}
+
+
+# --- the kernels loader on a CPU torch -----------------------------------------------------------------------
+
+
+def test_kernels_resolution_on_cpu(built):
+    from kernels.variants import VariantAccepted, VariantRejected, get_variants_local, resolve_variants
+
+    _, trace = resolve_variants(get_variants_local(built.out))
+    by_name = {d.variant.variant_str: d for d in trace}
+    assert set(by_name) == {"torch-cpu", "torch-cuda", built.variant.name}
+    assert isinstance(trace[0], VariantAccepted) and trace[0].variant.variant_str == "torch-cpu"
+    compiled = by_name[built.variant.name]
+    assert isinstance(compiled, VariantRejected)
+    assert "backend" in compiled.reason and "cpu" in compiled.reason, compiled.reason
+    assert isinstance(by_name["torch-cuda"], VariantRejected)
+
+
+def test_get_local_kernel_chooses_cpu(built):
+    import kernels
+
+    module = kernels.get_local_kernel(built.out)
+    assert Path(module.__file__).parent == built.out / "torch-cpu"
+    assert module.HAS_CUDA_LIB is False
+
+
+def test_only_cuda_variants_are_rejected_with_reasons(built, tmp_path):
+    import kernels
+
+    # A repo-like root with build/<variant>: kernels 0.17.2 reports the reasons of the last folder it looked at
+    # (<path>, then <path>/build), so variants placed directly in <path> would give an empty list.
+    shutil.copytree(built.variant, tmp_path / "build" / built.variant.name)
+    shutil.copytree(built.out / "torch-cuda", tmp_path / "build" / "torch-cuda")
+    with pytest.raises(FileNotFoundError) as e:
+        kernels.get_local_kernel(tmp_path)
+    msg = str(e.value)
+    assert f"{built.variant.name}: backend (cu" in msg and "does not match" in msg, msg
+    assert "torch-cuda: backend (cuda)" in msg, msg
+
+
+def test_local_kernels_env_route(built):
+    code = (
+        "from pathlib import Path\n"
+        "from kernels import get_kernel\n"
+        "k = get_kernel('org/geglu', version=1)\n"
+        "print(Path(k.__file__).parent.name, k.HAS_CUDA_LIB)\n"
+    )
+    env = dict(os.environ, LOCAL_KERNELS=f"org/geglu={built.out}", HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["torch-cpu", "False"]
+
+
+# --- the library itself, loaded against a stub libtorch_cuda.so ---------------------------------------------
+
+
+def _cudart_dir() -> Path | None:
+    nvcc = _nvcc_or_none()
+    if nvcc is None:
+        return None
+    roots = [nvcc.resolve().parent.parent, Path("/usr/local/cuda")]
+    roots += [Path(os.environ[v]) for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]
+    # nvcc may be a wrapper script: its -dryrun output names the toolkit's real location (TOP=...).
+    dry = subprocess.run([str(nvcc), "-dryrun", "--version"], capture_output=True, text=True)
+    roots += [Path(m) for m in re.findall(r"^#\$ TOP=(\S+)", dry.stdout + dry.stderr, re.M)]
+    for root in roots:
+        for d in (root / "lib64", root / "targets" / "x86_64-linux" / "lib"):
+            if list(d.glob("libcudart.so.*")):
+                return d
+    return None
+
+
+def test_library_loads_and_registers_schemas(built, tmp_path):
+    """Every torch shim symbol resolves (LD_BIND_NOW) and the schemas are exactly docs/design.md's."""
+    cudart = _cudart_dir()
+    if cudart is None or shutil.which("gcc") is None:
+        pytest.skip("needs the CUDA runtime library and gcc")
+    (tmp_path / "stub.c").write_text(cuda_build.STUB_C)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-Wl,-soname,libtorch_cuda.so", str(tmp_path / "stub.c"), "-o",
+                    str(tmp_path / "libtorch_cuda.so")], check=True)
+    code = (
+        "import torch, sys\n"
+        f"torch.ops.load_library({str(built.so)!r})\n"
+        f"ns = getattr(torch.ops, {built.ops!r})\n"
+        "print(str(ns.geglu_fwd.default._schema))\n"
+        "print(str(ns.geglu_bwd.default._schema))\n"
+        "x = torch.zeros(2, 4)\n"
+        "try:\n    ns.geglu_fwd(x, x, x, False)\nexcept NotImplementedError as e:\n    print('no CPU kernel')\n"
+    )
+    env = dict(os.environ, LD_LIBRARY_PATH=f"{tmp_path}:{cudart}", LD_BIND_NOW="1")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == f"{built.ops}::{SCHEMAS['geglu_fwd']}"
+    assert lines[1] == f"{built.ops}::{SCHEMAS['geglu_bwd']}"
+    assert lines[2] == "no CPU kernel"  # registered for the CUDA dispatch key only
+
+
+def test_sass_uses_128bit_accesses_and_no_local_memory(built):
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("cuobjdump not found")
+    sass = subprocess.run([tool, "-sass", str(built.so)], capture_output=True, text=True, check=True).stdout
+    kernels = re.split(r"\n\s*Function : ", sass)[1:]
+    # {fwd, bwd} x 3 dtypes x {exact, tanh} x (vector: tile unroll 1, 2 + pipelined 2, 4 stages; scalar: 1, 2, 4)
+    assert len(kernels) == 84, len(kernels)
+    seen = set()
+    for body in kernels:
+        name = body.split("\n", 1)[0]
+        m = re.search(r"geglu_(fwd|bwd)_kernelI(f|6__half|13__nv_bfloat16)Li(\d+)ELi(\d+)ELb([01])ELi(\d+)E", name)
+        assert m, name
+        vec, stages = int(m.group(3)), int(m.group(6))
+        seen.add((m.group(1), m.group(2), vec, int(m.group(4)), m.group(5), stages))
+        if vec > 1 and stages == 0:
+            assert "LDG.E.128" in body and "STG.E.128" in body, name
+        if stages > 0:  # cp.async 16-byte copies into shared memory, 16-byte reads back, 16-byte stores
+            assert "LDGSTS.E.BYPASS.128" in body and "LDS.128" in body and "STG.E.128" in body, name
+            assert f"DEPBAR.LE SB0, 0x{stages - 1:x}" in body, name  # cp.async.wait_group kStages - 1
+        assert not re.search(r"\b(LDL|STL)\b", body), f"local memory (spills) in {name}"
+    assert len(seen) == 84
+
+
+# --- caching -------------------------------------------------------------------------------------------------
+
+
+def _sid() -> kbuild.SourceId:
+    return kbuild.source_id(REPO)
+
+
+def test_rebuild_without_changes_does_not_recompile(built):
+    cfg = kbuild.read_config(REPO)
+    before = built.so.read_bytes()
+    log: list[str] = []
+    t0 = time.monotonic()
+    variant = cuda_build.build_compiled(cfg, built.out, _sid(), capability=CAP, log=log.append)
+    assert time.monotonic() - t0 < 10
+    assert variant == built.variant
+    assert any("up to date" in line for line in log), log
+    assert not any("geglu_kernels.cu" in line for line in log), log  # no nvcc, no cached-object relink
+    assert built.so.read_bytes() == before
+    assert cuda_build.embedded_key(built.so) is not None
+
+
+def test_new_ops_id_relinks_without_nvcc(built, tmp_path, monkeypatch):
+    """A commit that leaves the CUDA sources alone (new ops id) reuses the cached nvcc object."""
+    monkeypatch.setenv("KERNELTOOLS_CUDA_CACHE", str(built.cache))
+    cfg = kbuild.read_config(REPO)
+    sid = kbuild.SourceId("abcdef1", None, True)
+    log: list[str] = []
+    variant = cuda_build.build_compiled(cfg, tmp_path, sid, capability=CAP, log=log.append)
+    assert any("reusing the cached object" in line for line in log), log
+    assert (variant / "_geglu_cuda_abcdef1_dirty.abi3.so").is_file()
+    meta = json.loads((variant / "metadata.json").read_text())
+    assert meta["id"] == "_geglu_cuda_abcdef1_dirty"
+    assert "kernel" not in meta["provenance"]  # no git commit to record
+
+
+# --- errors --------------------------------------------------------------------------------------------------
+
+
+def _no_nvcc_env(monkeypatch, tmp_path):
+    for var in ("NVCC", "CUDA_HOME", "CUDA_PATH"):
+        monkeypatch.delenv(var, raising=False)
+    empty = tmp_path / "empty-bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+
+
+def test_missing_nvcc_is_a_clear_error(monkeypatch, tmp_path):
+    _no_nvcc_env(monkeypatch, tmp_path)
+    cfg = kbuild.read_config(REPO)
+    with pytest.raises(kbuild.BuildError, match=r"nvcc not found .*CUDA toolkit.*NVCC=/path/to/nvcc"):
+        cuda_build.build_compiled(cfg, tmp_path / "out", kbuild.SourceId("abcdef1", None, True), capability=CAP)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_missing_nvcc_on_the_command_line(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("NVCC", "CUDA_HOME", "CUDA_PATH")}
+    (tmp_path / "bin").mkdir()
+    env["PATH"] = str(tmp_path / "bin")
+    proc = subprocess.run(
+        [sys.executable, "-m", "kerneltools", "build", "--variant", "cuda-compiled", "--capability", CAP,
+         "--out", str(tmp_path / "out")],
+        capture_output=True, text=True, env=env, cwd=REPO,
+    )
+    assert proc.returncode == 2
+    assert "error: nvcc not found" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_bad_nvcc_variable(monkeypatch, tmp_path):
+    monkeypatch.setenv("NVCC", str(tmp_path / "no-such-nvcc"))
+    with pytest.raises(kbuild.BuildError, match="is not an executable nvcc"):
+        cuda_build.find_nvcc()
+
+
+@needs_nvcc
+@pytest.mark.parametrize("cap, message", [("3.5", "does not support it"), ("9", "expected a compute capability"),
+                                          ("sm_3", "expected a compute capability")])
+def test_unsupported_capability(cap, message, tmp_path):
+    cfg = kbuild.read_config(REPO)
+    with pytest.raises(kbuild.BuildError, match=message):
+        cuda_build.build_compiled(cfg, tmp_path, kbuild.SourceId("abcdef1", None, True), capability=cap)
+
+
+@needs_nvcc
+def test_capability_list_is_checked_against_nvcc():
+    nvcc = cuda_build.probe_nvcc(cuda_build.find_nvcc())
+    assert "9.0" in nvcc.capabilities
+    cfg = kbuild.read_config(REPO)
+    caps = cuda_build.select_capabilities(cfg, nvcc, None, log=lambda *_: None)
+    assert caps == [c for c in cfg.cuda_capabilities if c in nvcc.capabilities]
+    assert cuda_build.select_capabilities(cfg, nvcc, "sm_90") == ["9.0"]
