@@ -223,10 +223,11 @@ __device__ __forceinline__ void run_tile(const Args<T, Op::kIn, Op::kOut>& a) {
 // block barrier is needed (cp.async.wait_group orders them for the thread). Tiles are disjoint and each element
 // is still loaded (copied) before the same thread stores it, so the in-place rule holds.
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int bytes) {
-  // .cg: 16-byte copy bypassing L1; bytes < 16 reads only `bytes` and zero-fills the rest (partial vector).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  // .cg: 16-byte copy bypassing L1. Only whole vectors: the src-size (zero-filling) form for a row's partial
+  // last vector was reported by compute-sanitizer memcheck as a 16-byte read past the end of the tensor.
   const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(bytes) : "memory");
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int kPending>
@@ -245,10 +246,19 @@ __device__ __forceinline__ void run_pipelined(const Args<T, Op::kIn, Op::kOut>& 
       if (idx < a.total) {
         int64_t row, col;
         a.div.split(idx, row, col);
-        const int bytes = valid<kVec>(col, a.cols) * static_cast<int>(sizeof(T));
+        const int n = valid<kVec>(col, a.cols);
         const int64_t c = col * kVec;
 #pragma unroll
-        for (int i = 0; i < Op::kIn; ++i) cp_async16(slot(stage, i), a.in[i] + (row * a.s_in[i] + c), bytes);
+        for (int i = 0; i < Op::kIn; ++i) {
+          const T* src = a.in[i] + (row * a.s_in[i] + c);
+          if (n == kVec) {
+            cp_async16(slot(stage, i), src);
+          } else {  // partial last vector of a row: element loads, zero-filled (read back by this thread only)
+            T* dst = reinterpret_cast<T*>(slot(stage, i));
+#pragma unroll
+            for (int k = 0; k < kVec; ++k) dst[k] = k < n ? src[k] : T(0.0f);
+          }
+        }
       }
     }
     cp_async_commit();  // one group per tile, empty or not, so that wait_group counts tiles
@@ -407,7 +417,10 @@ cudaError_t launch(A a, int64_t rows, cudaStream_t stream) {
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess) dev = 0;
   const int sms = sm_count(dev);
-  const Plan plan = choose_plan(a.total, sms, kVec > 1);
+  Plan plan = choose_plan(a.total, sms, kVec > 1);
+  // The vector path has kernels for 1 or 2 vectors per thread: a forced unroll of 4 runs as 2, and the grid
+  // must be sized for what runs.
+  if (kVec > 1 && plan.unroll > 2) plan.unroll = 2;
   a.ntiles = (a.total + int64_t(plan.threads) * plan.unroll - 1) / (int64_t(plan.threads) * plan.unroll);
   auto go = [&](auto which, int stages) {
     constexpr auto kernel = decltype(which)::kernel;
