@@ -152,9 +152,10 @@ else:
         return x.to(T)  # round to nearest even, as eager
 
 
-# The arithmetic around the transcendental functions reproduces nvcc's instruction selection for eager's C++
-# (checked against `nvcc -O3 -arch=sm_90 -ptx`): kernels launch with enable_fp_fusion=False and every FMA that
-# nvcc contracts is written as tl.fma, every product/sum it leaves alone stays separate.
+# The arithmetic around the transcendental functions reproduces the machine code nvcc + ptxas make of eager's
+# C++ (checked in the SASS, `cuobjdump -sass`, not only the PTX: ptxas contracts some plain mul/add pairs that
+# nvcc left separate, e.g. tanh's `1 - t*t`): kernels launch with enable_fp_fusion=False, and every FMA in
+# eager's SASS is written as tl.fma, every product/sum it leaves alone stays separate.
 
 
 @triton.jit
@@ -179,7 +180,7 @@ def _gelu_grad(x, TANH: tl.constexpr, K_BETA_TANH: tl.constexpr, K_KAPPA: tl.con
         t = _tanh(inner)
         left = 0.5 * x
         right = 1.0 + t
-        tanh_derivative = 1.0 - t * t  # nvcc does not contract this one
+        tanh_derivative = tl.fma(-t, t, 1.0)  # 1 - t*t: nvcc's PTX keeps mul + sub, ptxas fuses them (FFMA)
         inner_derivative = K_BETA_TANH * tl.fma(x_sq, K_3KAPPA, 1.0)  # kBeta * (1 + 3*kKappa * x_sq)
         right_derivative = left * tanh_derivative * inner_derivative
         g = tl.fma(right, 0.5, right_derivative)  # left_derivative (0.5 * right) + right_derivative
