@@ -1,7 +1,9 @@
 """Which implementation runs: the compiled CUDA library, the Triton kernels, or the CPU implementation.
 
-* ``auto`` (default): CUDA tensors use the compiled library when this build variant has it, else Triton; CPU
-  tensors use the CPU implementation.
+* ``auto`` (default): CUDA tensors use Triton, except small problems (under ``CUDA_LIB_BELOW`` elements), which
+  use the compiled library when this build variant has it: its launch costs the host far less, and at decode
+  sizes the launch is the cost. At prefill sizes the Triton kernels measured faster on an H200 (bf16 forward 96%
+  vs 87% of the copy floor at 8192x14336; benchmarks/results). CPU tensors use the CPU implementation.
 * ``cuda``: CUDA tensors must use the compiled library (an error if this variant has none).
 * ``triton``: always the Triton kernels, CPU tensors too (meaningful under ``TRITON_INTERPRET=1``; for tests).
 
@@ -37,13 +39,16 @@ def get_backend() -> str:
     return _backend
 
 
-def impl_for(device_type: str) -> str:
-    """The implementation that runs for tensors on ``device_type``: 'cuda', 'triton' or 'cpu'."""
+CUDA_LIB_BELOW = 1 << 21
+
+
+def impl_for(device_type: str, numel: int) -> str:
+    """The implementation that runs for ``numel``-element tensors on ``device_type``: 'cuda', 'triton' or 'cpu'."""
     if _backend == "triton":
         return "triton"
     if device_type == "cuda":
         if HAS_CUDA_LIB:
-            return "cuda"
+            return "cuda" if _backend == "cuda" or numel < CUDA_LIB_BELOW else "triton"
         if _backend == "cuda":
             raise RuntimeError(
                 "geglu: the backend is 'cuda' (GEGLU_BACKEND) but this build variant has no compiled CUDA library; "

@@ -38,10 +38,14 @@ def _rows(t: Tensor, n: int) -> Tensor:
         return t.reshape(-1, n)
 
 
+_CUDA_FWD = ops.geglu_fwd.default if _backend.HAS_CUDA_LIB else None
+_CUDA_BWD = ops.geglu_bwd.default if _backend.HAS_CUDA_LIB else None
+
+
 def _run_fwd(out2: Tensor, g2: Tensor, u2: Tensor, approximate: str) -> None:
-    impl = _backend.impl_for(g2.device.type)
+    impl = _backend.impl_for(g2.device.type, g2.numel())
     if impl == "cuda":
-        ops.geglu_fwd(out2, g2, u2, approximate == "tanh")
+        _CUDA_FWD(out2, g2, u2, approximate == "tanh")
     elif impl == "triton":
         _check_triton_device(g2)
         _triton().geglu_fwd(out2, g2, u2, approximate == "tanh")
@@ -50,9 +54,9 @@ def _run_fwd(out2: Tensor, g2: Tensor, u2: Tensor, approximate: str) -> None:
 
 
 def _run_bwd(dg2: Tensor, du2: Tensor, dy2: Tensor, g2: Tensor, u2: Tensor, approximate: str) -> None:
-    impl = _backend.impl_for(g2.device.type)
+    impl = _backend.impl_for(g2.device.type, g2.numel())
     if impl == "cuda":
-        ops.geglu_bwd(dg2, du2, dy2, g2, u2, approximate == "tanh")
+        _CUDA_BWD(dg2, du2, dy2, g2, u2, approximate == "tanh")
     elif impl == "triton":
         _check_triton_device(g2)
         _triton().geglu_bwd(dg2, du2, dy2, g2, u2, approximate == "tanh")
