@@ -5,7 +5,7 @@ They follow the kernels layer rules: no ``__init__``, no members besides ``forwa
 ``forward`` has the host's signature.
 """
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -77,4 +77,204 @@ class GeGLUMLP(nn.Module):
         return self.down_proj(geglu(self.gate_proj(x), self.up_proj(x), approximate, inplace_backward=True))
 
 
-__all__ = ["GeluAndMul", "GeluTanhAndMul", "GeGLUMLP"]
+class GeGLUMLPWithDropout(nn.Module):
+    """Replaces ``down_proj(dropout(act_fn(gate_proj(x)) * up_proj(x)))`` (T5Gemma, T5Gemma 2, Gte).
+
+    Dropout sits between the product and ``down_proj`` as in the host and is the host's own module, so it draws
+    the same random mask from the same generator state.
+    """
+
+    can_torch_compile = True
+    has_backward = True
+
+    gate_proj: nn.Module
+    up_proj: nn.Module
+    down_proj: nn.Module
+    act_fn: nn.Module
+    dropout: nn.Module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        approximate = gelu_approximation(self.act_fn)
+        if approximate is None:
+            hidden_states = self.act_fn(self.gate_proj(x)) * self.up_proj(x)
+        else:
+            hidden_states = geglu(self.gate_proj(x), self.up_proj(x), approximate, inplace_backward=True)
+        return self.down_proj(self.dropout(hidden_states))
+
+
+class Gemma3nGeGLUMLP(nn.Module):
+    """Replaces Gemma 3n's text MLP: like :class:`GeGLUMLP`, but layers with ``activation_sparsity > 0`` first
+    pass the gate through the host's ``_gaussian_topk`` (a ReLU of the gate minus a per-row cutoff).
+
+    The in-place backward is used only where there is no top-k: ReLU keeps its output for its own backward, and that
+    output is the gate our backward would overwrite.
+    """
+
+    can_torch_compile = True
+    has_backward = True
+
+    gate_proj: nn.Module
+    up_proj: nn.Module
+    down_proj: nn.Module
+    act_fn: nn.Module
+    activation_sparsity: float
+    _gaussian_topk: Callable[[torch.Tensor], torch.Tensor]
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        gate = self.gate_proj(hidden_states)
+        sparse = self.activation_sparsity > 0.0
+        if sparse:
+            gate = self._gaussian_topk(gate)
+        approximate = gelu_approximation(self.act_fn)
+        if approximate is None:
+            return self.down_proj(self.act_fn(gate) * self.up_proj(hidden_states))
+        return self.down_proj(geglu(gate, self.up_proj(hidden_states), approximate, inplace_backward=not sparse))
+
+
+class T5GeGLUDense(nn.Module):
+    """Replaces T5's gated feed-forward ``wo(dropout(act(wi_0(h)) * wi_1(h)))`` (T5 v1.1 / flan-T5 with
+    ``feed_forward_proj="gated-gelu"``, mT5, UMT5, UDOP, Pix2Struct, Kosmos-2.5).
+
+    Like T5, the product is cast to ``wo.weight.dtype`` when they differ and the weight is not int8 (T5 keeps ``wo``
+    in fp32). LongT5, which has no such cast, has :class:`LongT5GeGLUDense`.
+    """
+
+    can_torch_compile = True
+    has_backward = True
+
+    wi_0: nn.Module
+    wi_1: nn.Module
+    wo: nn.Module
+    dropout: nn.Module
+    act: nn.Module
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        approximate = gelu_approximation(self.act)
+        if approximate is None:
+            hidden_states = self.act(self.wi_0(hidden_states)) * self.wi_1(hidden_states)
+        else:
+            hidden_states = geglu(self.wi_0(hidden_states), self.wi_1(hidden_states), approximate,
+                                  inplace_backward=True)
+        hidden_states = self.dropout(hidden_states)
+        weight = self.wo.weight
+        if isinstance(weight, torch.Tensor) and hidden_states.dtype != weight.dtype and weight.dtype != torch.int8:
+            hidden_states = hidden_states.to(weight.dtype)
+        return self.wo(hidden_states)
+
+
+class LongT5GeGLUDense(nn.Module):
+    """Replaces LongT5's gated feed-forward: :class:`T5GeGLUDense` without the cast to ``wo.weight.dtype`` (LongT5
+    does not cast; with a quantized ``wo`` the cast would be wrong)."""
+
+    can_torch_compile = True
+    has_backward = True
+
+    wi_0: nn.Module
+    wi_1: nn.Module
+    wo: nn.Module
+    dropout: nn.Module
+    act: nn.Module
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        approximate = gelu_approximation(self.act)
+        if approximate is None:
+            hidden_states = self.act(self.wi_0(hidden_states)) * self.wi_1(hidden_states)
+        else:
+            hidden_states = geglu(self.wi_0(hidden_states), self.wi_1(hidden_states), approximate,
+                                  inplace_backward=True)
+        return self.wo(self.dropout(hidden_states))
+
+
+class ModernBertGeGLUMLP(nn.Module):
+    """Replaces ModernBERT's MLP ``Wo(drop(act(input) * gate))`` with ``input, gate = Wi(x).chunk(2, -1)``: the
+    packed form with the activated half first, read straight from ``Wi``'s output (no chunk copies)."""
+
+    can_torch_compile = True
+    has_backward = True
+
+    Wi: nn.Module
+    act: nn.Module
+    drop: nn.Module
+    Wo: nn.Module
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        approximate = gelu_approximation(self.act)
+        if approximate is None:
+            input, gate = self.Wi(hidden_states).chunk(2, dim=-1)
+            return self.Wo(self.drop(self.act(input) * gate))
+        return self.Wo(self.drop(geglu_packed(self.Wi(hidden_states), approximate, act_first=True,
+                                              inplace_backward=True)))
+
+
+class Zamba2GeGLUMLP(nn.Module):
+    """Replaces Zamba2's MLP: packed ``gate_up_proj`` plus the per-block LoRA adapter selected by ``layer_idx``,
+    then ``down_proj(act_fn(gate) * up)`` on the packed sum."""
+
+    can_torch_compile = True
+    has_backward = True
+
+    gate_up_proj: nn.Module
+    gate_up_proj_adapter_list: nn.ModuleList
+    layer_dic: dict
+    down_proj: nn.Module
+    act_fn: nn.Module
+
+    def forward(self, hidden_state: torch.Tensor, layer_idx=None) -> torch.Tensor:
+        gate_up_state = self.gate_up_proj(hidden_state)
+        layer_idx = self.layer_dic[layer_idx]
+        gate_up_state = gate_up_state + self.gate_up_proj_adapter_list[layer_idx](hidden_state)
+        approximate = gelu_approximation(self.act_fn)
+        if approximate is None:
+            gate, up = torch.chunk(gate_up_state, 2, dim=-1)
+            return self.down_proj(self.act_fn(gate) * up)
+        return self.down_proj(geglu_packed(gate_up_state, approximate, act_first=True, inplace_backward=True))
+
+
+class ClvpGeGLU(nn.Module):
+    """Replaces CLVP's gated linear unit ``h * act(gate)`` with ``h, gate = proj(x).chunk(2, -1)``: the packed form
+    with the activated half second (the product is commutative, so the result is the same)."""
+
+    can_torch_compile = True
+    has_backward = True
+
+    proj: nn.Module
+    activation_fn: nn.Module
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        approximate = gelu_approximation(self.activation_fn)
+        if approximate is None:
+            hidden_states, gate = self.proj(hidden_states).chunk(2, dim=-1)
+            return hidden_states * self.activation_fn(gate)
+        return geglu_packed(self.proj(hidden_states), approximate, act_first=False, inplace_backward=True)
+
+
+class CpmAntGeGLU(nn.Module):
+    """Replaces CPM-Ant's gated activation ``act(w_0(h)) * w_1(h)`` (no output projection; the caller applies it)."""
+
+    can_torch_compile = True
+    has_backward = True
+
+    w_0: nn.Module
+    w_1: nn.Module
+    act: nn.Module
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        approximate = gelu_approximation(self.act)
+        if approximate is None:
+            return self.act(self.w_0(hidden_states)) * self.w_1(hidden_states)
+        return geglu(self.w_0(hidden_states), self.w_1(hidden_states), approximate, inplace_backward=True)
+
+
+__all__ = [
+    "GeluAndMul",
+    "GeluTanhAndMul",
+    "GeGLUMLP",
+    "GeGLUMLPWithDropout",
+    "Gemma3nGeGLUMLP",
+    "T5GeGLUDense",
+    "LongT5GeGLUDense",
+    "ModernBertGeGLUMLP",
+    "Zamba2GeGLUMLP",
+    "ClvpGeGLU",
+    "CpmAntGeGLU",
+]

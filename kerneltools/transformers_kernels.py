@@ -1,0 +1,304 @@
+"""Use the GeGLU hub kernel in Hugging Face transformers models, with ``kernels.kernelize``.
+
+transformers 5.22.2 marks none of its GeGLU MLP classes for kernel replacement, so kernelize alone does nothing
+to them. :func:`register_geglu_kernels` makes the connection::
+
+    from kernels import Mode, kernelize
+    from kerneltools.transformers_kernels import register_geglu_kernels
+
+    register_geglu_kernels()                    # geglu-kernels/geglu, version 1, cuda and cpu, every mode
+    model = AutoModelForCausalLM.from_pretrained("google/gemma-2-2b").cuda()
+    kernelize(model, mode=Mode.INFERENCE)       # or Mode.TRAINING, optionally | Mode.TORCH_COMPILE
+
+It does three things:
+
+1. ``kernels.replace_kernel_forward_from_hub(cls, key)`` for every supported class of :data:`GEGLU_CLASSES` that
+   the installed transformers has (others are skipped), with a condition that leaves a module alone when its
+   activation is not a GELU the kernel computes (a Gemma configured with ``hidden_act="relu"``, a gated-ReLU T5):
+   such a module keeps its own forward.
+2. A kernel mapping from each key to ``LayerRepository(repo_id, layer_name=..., version=N)`` (or
+   ``revision=``, or ``LockedLayerRepository(repo_id, lockfile=..., layer_name=...)``) for Mode.INFERENCE,
+   Mode.TRAINING and both with Mode.TORCH_COMPILE, on each requested device. It is registered globally with
+   ``kernels.register_kernel_mapping`` (``register=False`` only returns it, for ``kernels.use_kernel_mapping``).
+3. :data:`GEGLU_CLASSES`, the table of every GeGLU class of transformers 5.22.2 with its status (docs and tests
+   read it).
+
+The keys are ``"geglu.<Layer>"``, not the bare layer names: transformers' own default mapping, which
+``from_pretrained(use_kernels=True)`` and ``set_use_kernels`` register again on every call, has a ``"GeGLUMLP"``
+entry for cuda pointing at Liger's tanh-only GEGLU kernels. It would replace ours under that key, and these classes
+would get Liger's layers.
+
+transformers' own route, ``from_pretrained(..., use_kernels=True, kernel_config=KernelConfig(...))`` or
+``model.set_use_kernels(True, KernelConfig(...))``, works on GPUs only: KernelConfig refuses CPU models
+("Only devices in [cuda, rocm, xpu, npu, neuron, tpu, mps] are supported"). :func:`geglu_kernel_config` builds
+that KernelConfig.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+DEFAULT_REPO_ID = "geglu-kernels/geglu"
+KEY_PREFIX = "geglu."
+
+SUPPORTED = "supported"  # bit-exact with eager for the model's default activation (gelu / gelu_pytorch_tanh)
+SUPPORTED_APPROX = "supported-approx"  # default activation is gelu_new: within a stated tolerance, not bit-exact
+NOT_SUPPORTED = "not-supported"
+
+# transformers activation classes whose function the kernel computes, by class name (the kernel's own
+# layers.gelu_approximation decides erf vs tanh; this copy only decides whether to swap the forward at all).
+_GELU_CLASS_NAMES = frozenset({"GELUActivation", "GELUTanh", "PytorchGELUTanh", "GELUPytorchTanh",
+                               "NewGELUActivation", "FastGELUActivation", "AccurateGELUActivation"})
+
+
+@dataclass(frozen=True)
+class HostClass:
+    """One GeGLU class of transformers and how the kernel handles it."""
+
+    model: str  # transformers model folder, e.g. "gemma"
+    name: str  # class name in transformers.models.<model>.modeling_<model>
+    layer: str | None  # layer of the kernel's ``layers`` module that replaces its forward; None: not supported
+    status: str  # SUPPORTED, SUPPORTED_APPROX or NOT_SUPPORTED
+    activation: str  # the activation the class gets from a default config
+    note: str = ""
+    act_attr: str | None = None  # attribute of the host that holds its activation module
+
+    @property
+    def module(self) -> str:
+        return f"transformers.models.{self.model}.modeling_{self.model}"
+
+    @property
+    def key(self) -> str | None:
+        """The kernelize key (``kernel_layer_name``) the class gets."""
+        return KEY_PREFIX + self.layer if self.layer else None
+
+    def load(self) -> type | None:
+        """The class from the installed transformers, or None when it has no such module or class."""
+        try:
+            mod = importlib.import_module(self.module)
+        except ImportError:
+            return None
+        return getattr(mod, self.name, None)
+
+
+def _a(model, name, activation="gelu_pytorch_tanh", note="", layer="GeGLUMLP", status=SUPPORTED, act_attr="act_fn"):
+    return HostClass(model, name, layer, status, activation, note, act_attr)
+
+
+_T5_NOTE = "{} with its cast to wo.weight.dtype (T5 keeps wo in fp32)"
+_STRIDED_NOTE = ("CPU: not bit-exact (about 1e-7 relative: eager's CPU erf-GELU rounds differently on the strided "
+                 "chunk views), GPU: bit-exact")
+
+GEGLU_CLASSES: tuple[HostClass, ...] = (
+    # down_proj(act_fn(gate_proj(x)) * up_proj(x))
+    _a("gemma", "GemmaMLP"),
+    _a("gemma2", "Gemma2MLP"),
+    _a("gemma3", "Gemma3MLP", note="Gemma 3 text and the text part of Gemma 3 multimodal"),
+    _a("gemma4", "Gemma4TextMLP"),
+    _a("gemma4", "Gemma4VisionMLP", note="clippable linears: the clamps stay inside gate/up/down_proj"),
+    _a("gemma4_unified", "Gemma4UnifiedTextMLP"),
+    _a("embedding_gemma2", "EmbeddingGemma2MLP"),
+    _a("vaultgemma", "VaultGemmaMLP"),
+    _a("diffusion_gemma", "DiffusionGemmaText4MLP"),
+    _a("recurrent_gemma", "RecurrentGemmaMlp", note="projections with biases"),
+    _a("zamba", "ZambaMLP", activation="gelu"),
+    _a("pixtral", "PixtralMLP", activation="gelu",
+       note="vision encoder; a checkpoint with hidden_act='silu' keeps its own forward"),
+    _a("dinov3_vit", "DINOv3ViTGatedMLP", activation="gelu", note="used only with use_gated_mlp=True"),
+    # ... with dropout between the product and down_proj
+    _a("t5gemma", "T5GemmaMLP", layer="GeGLUMLPWithDropout"),
+    _a("t5gemma2", "T5Gemma2MLP", layer="GeGLUMLPWithDropout"),
+    _a("gte", "GteMLP", activation="gelu", layer="GeGLUMLPWithDropout", note="down_proj with bias"),
+    # Gemma 3n: Gaussian top-k on the gate of the first layers (activation_sparsity > 0)
+    _a("gemma3n", "Gemma3nTextMLP", layer="Gemma3nGeGLUMLP",
+       note="the host's _gaussian_topk runs on the gate first where activation_sparsity > 0"),
+    # T5 style: wo(dropout(act(wi_0(h)) * wi_1(h)))
+    _a("t5", "T5DenseGatedActDense", activation="gelu_new", layer="T5GeGLUDense", status=SUPPORTED_APPROX,
+       act_attr="act", note=_T5_NOTE.format("T5 v1.1 / flan-T5 (feed_forward_proj='gated-gelu')")),
+    _a("mt5", "MT5DenseGatedActDense", activation="gelu_new", layer="T5GeGLUDense", status=SUPPORTED_APPROX,
+       act_attr="act", note=_T5_NOTE.format("mT5")),
+    _a("umt5", "UMT5DenseGatedActDense", activation="gelu_new", layer="T5GeGLUDense", status=SUPPORTED_APPROX,
+       act_attr="act", note=_T5_NOTE.format("UMT5")),
+    _a("longt5", "LongT5DenseGatedActDense", activation="gelu_new", layer="LongT5GeGLUDense",
+       status=SUPPORTED_APPROX, act_attr="act",
+       note="with feed_forward_proj='gated-gelu' (the config default is relu: not gated); no cast, as LongT5"),
+    _a("udop", "UdopDenseGatedActDense", activation="gelu", layer="T5GeGLUDense", act_attr="act",
+       note="with feed_forward_proj='gated-gelu', which gives UDOP dense_act_fn='gelu' (the config default is relu: "
+            "not gated)"),
+    _a("pix2struct", "Pix2StructTextDenseGatedActDense", activation="gelu_new", layer="T5GeGLUDense",
+       status=SUPPORTED_APPROX, act_attr="act"),
+    _a("pix2struct", "Pix2StructVisionMlp", activation="gelu_new", layer="T5GeGLUDense", status=SUPPORTED_APPROX,
+       act_attr="act"),
+    _a("kosmos2_5", "Kosmos2_5VisionMlp", activation="gelu_new", layer="T5GeGLUDense", status=SUPPORTED_APPROX,
+       act_attr="act"),
+    # packed: input, gate = Wi(x).chunk(2, -1)
+    _a("modernbert", "ModernBertMLP", activation="gelu", layer="ModernBertGeGLUMLP", act_attr="act",
+       note="packed Wi read in place; " + _STRIDED_NOTE),
+    _a("modernbert_decoder", "ModernBertDecoderMLP", activation="gelu", layer="ModernBertGeGLUMLP", act_attr="act",
+       note="as ModernBertMLP; " + _STRIDED_NOTE),
+    _a("zamba2", "Zamba2MLP", activation="gelu", layer="Zamba2GeGLUMLP",
+       note="packed gate_up_proj plus the per-block LoRA adapter; forward(hidden_state, layer_idx); "
+            + _STRIDED_NOTE),
+    _a("clvp", "ClvpGatedLinearUnit", activation="gelu", layer="ClvpGeGLU", act_attr="activation_fn",
+       note="activation on the second half: h * act(gate); " + _STRIDED_NOTE),
+    _a("cpmant", "CpmAntDenseGatedACT", activation="gelu (fixed nn.GELU())", layer="CpmAntGeGLU", act_attr="act",
+       note="the gated activation only; w_out is applied by the caller"),
+    # not supported
+    _a("gemma4", "Gemma4TextExperts", layer=None, status=NOT_SUPPORTED,
+       note="MoE experts (3-D weights, routed loop) dispatched by transformers' @use_experts_implementation "
+            "(grouped_mm, batched_mm); replacing its forward would bypass that"),
+    _a("diffusion_gemma", "DiffusionGemmaTextExperts", layer=None, status=NOT_SUPPORTED,
+       note="MoE experts, as Gemma4TextExperts"),
+    _a("pop2piano", "Pop2PianoDenseGatedActDense", activation="relu", layer=None, status=NOT_SUPPORTED,
+       act_attr="act", note="gated ReLU: dense_act_fn defaults to relu even with feed_forward_proj='gated-gelu'"),
+    _a("moshi", "MoshiGatingMLP", activation="silu", layer=None, status=NOT_SUPPORTED, act_attr="activation_fn",
+       note="SwiGLU by default (hidden_act='silu'); also per-codebook FlexibleLinear projections"),
+    _a("kyutai_speech_to_text", "KyutaiSpeechToTextGatingMLP", activation="silu", layer=None,
+       status=NOT_SUPPORTED, act_attr="activation_fn", note="as MoshiGatingMLP"),
+)
+
+
+def is_kernel_gelu(act: Any) -> bool:
+    """Whether ``act`` (a host's activation) computes a GELU the kernel computes (erf or tanh form)."""
+    import torch
+
+    if isinstance(act, torch.nn.GELU):
+        return act.approximate in ("none", "tanh")
+    if act is torch.nn.functional.gelu:
+        return True
+    return type(act).__name__ in _GELU_CLASS_NAMES
+
+
+def _gelu_condition(act_attr: str):
+    def condition(module) -> bool:
+        return is_kernel_gelu(getattr(module, act_attr, None))
+
+    condition.__qualname__ = f"geglu_condition[{act_attr}]"
+    return condition
+
+
+@dataclass
+class GeGLURegistration:
+    """What :func:`register_geglu_kernels` did."""
+
+    mapping: dict  # {key: {device: {Mode: repository}}}, for kernels.use_kernel_mapping / register_kernel_mapping
+    classes: dict[str, type] = field(default_factory=dict)  # "module.Class" -> class now carrying a key
+    skipped: list[str] = field(default_factory=list)  # supported classes the installed transformers lacks
+
+
+def _repository(repo_id: str, layer: str, *, version, revision, lockfile, trust_remote_code):
+    from kernels import LayerRepository, LockedLayerRepository
+
+    if lockfile is not None:
+        return LockedLayerRepository(repo_id, lockfile=Path(lockfile), layer_name=layer,
+                                     trust_remote_code=trust_remote_code)
+    if revision is not None:
+        return LayerRepository(repo_id, layer_name=layer, revision=revision, trust_remote_code=trust_remote_code)
+    return LayerRepository(repo_id, layer_name=layer, version=version, trust_remote_code=trust_remote_code)
+
+
+def register_geglu_kernels(repo_id: str = DEFAULT_REPO_ID, *, version: int | None = 1, revision: str | None = None,
+                           lockfile: str | Path | None = None, trust_remote_code: bool = False,
+                           devices: Sequence[str] = ("cuda", "cpu"), register: bool = True) -> GeGLURegistration:
+    """Make ``kernels.kernelize`` replace the forward of every supported transformers GeGLU class with the
+    GeGLU hub kernel's layer.
+
+    Args:
+        repo_id: the kernel repository on the Hub (or the loopback Hub named by ``HF_ENDPOINT``).
+        version: the kernel's major version (branch ``v<version>``); the default. Ignored with ``revision`` or
+            ``lockfile``.
+        revision: a branch, tag or commit instead of ``version``.
+        lockfile: a ``kernels.lock`` (from ``kernels lock``) pinning ``repo_id`` to a commit: the layers then come
+            from ``LockedLayerRepository``.
+        trust_remote_code: passed to the repositories (needed when the repo's org is not a trusted publisher).
+        devices: device types to map; on ``"cpu"`` the kernel runs its CPU implementation (eager's numerics, no
+            speed-up; useful for tests and CPU-only CI).
+        register: register the mapping globally (``kernels.register_kernel_mapping``, merged into the current
+            one). With False it is only returned, for ``with kernels.use_kernel_mapping(reg.mapping): ...``.
+
+    Every mode is mapped: Mode.INFERENCE, Mode.TRAINING, Mode.INFERENCE | Mode.TORCH_COMPILE and
+    Mode.TRAINING | Mode.TORCH_COMPILE (the layers have a backward and compile with ``fullgraph=True``).
+
+    A module whose activation is not a GELU the kernel computes (e.g. ``hidden_act="relu"``) is skipped by
+    kernelize and keeps its own forward. Calling this again re-registers: the classes keep their keys and each
+    key's entry for a device is replaced as a whole (kernels replaces the mode table of an identical device entry).
+
+    Returns:
+        A :class:`GeGLURegistration` with the mapping, the classes that now carry a key, and the supported classes
+        the installed transformers does not have.
+    """
+    from kernels import Mode, register_kernel_mapping, replace_kernel_forward_from_hub
+
+    if lockfile is None and revision is None and version is None:
+        raise ValueError("register_geglu_kernels: pass version=N, revision=... or lockfile=... .")
+    modes = (Mode.INFERENCE, Mode.TRAINING, Mode.INFERENCE | Mode.TORCH_COMPILE, Mode.TRAINING | Mode.TORCH_COMPILE)
+    reg = GeGLURegistration(mapping={})
+    repos: dict[str, Any] = {}  # one repository per layer: kernels loads and validates each once
+    for host in GEGLU_CLASSES:
+        if host.layer is None:
+            continue
+        cls = host.load()
+        if cls is None:
+            reg.skipped.append(f"{host.module}.{host.name}")
+            continue
+        condition = _gelu_condition(host.act_attr) if host.act_attr else None
+        replace_kernel_forward_from_hub(cls, host.key, condition)
+        reg.classes[f"{host.module}.{host.name}"] = cls
+        if host.layer not in repos:
+            repos[host.layer] = _repository(repo_id, host.layer, version=version, revision=revision,
+                                            lockfile=lockfile, trust_remote_code=trust_remote_code)
+        reg.mapping[host.key] = {device: {mode: repos[host.layer] for mode in modes} for device in devices}
+    if register:
+        register_kernel_mapping(reg.mapping)
+    return reg
+
+
+def geglu_kernel_config(model: Any, repo_id: str = DEFAULT_REPO_ID, *, version: int | None = 1,
+                        revision: str | None = None, trust_remote_code: bool = False):
+    """A transformers ``KernelConfig`` that maps the GeGLU classes found in ``model`` to the hub kernel, for
+    transformers' own route (GPU only in transformers 5.22.2)::
+
+        cfg = geglu_kernel_config(model)             # a loaded model: its modules are scanned
+        model.set_use_kernels(True, cfg)              # kernelizes for model.training's mode
+        # or, before loading (classes from the model class's own modeling module):
+        model = AutoModelForCausalLM.from_pretrained(path, use_kernels=True,
+                                                     kernel_config=geglu_kernel_config(GemmaForCausalLM))
+
+    ``model`` is a model instance or a transformers model class. KernelConfig accepts only keys present in the
+    model, hence the argument. It calls :func:`register_geglu_kernels` with ``register=False`` first, so that the
+    classes carry their keys. On a CPU model transformers raises ``ValueError: Only devices in [...] are
+    supported``: use :func:`register_geglu_kernels` and ``kernels.kernelize`` there.
+    """
+    from transformers import KernelConfig
+
+    register_geglu_kernels(repo_id, version=version, revision=revision, trust_remote_code=trust_remote_code,
+                           register=False)
+    if isinstance(model, type):
+        keys = {h.key for h in GEGLU_CLASSES if h.layer and h.module == model.__module__}
+    else:
+        keys = {getattr(type(m), "kernel_layer_name", None) for m in model.modules()}
+        keys &= {h.key for h in GEGLU_CLASSES if h.layer}
+    if not keys:
+        where = model.__module__ if isinstance(model, type) else type(model).__name__
+        raise ValueError(f"geglu_kernel_config: no supported GeGLU class in {where}. For a composite model (e.g. "
+                         "PaliGemma) pass the loaded model instead of its class; see GEGLU_CLASSES for the list.")
+    meta = {"version": version} if revision is None else {"revision": revision}
+    meta["trust_remote_code"] = trust_remote_code
+    layer_of = {h.key: h.layer for h in GEGLU_CLASSES if h.layer}
+    return KernelConfig({key: (f"{repo_id}:{layer_of[key]}", dict(meta)) for key in sorted(keys)})
+
+
+def classes_markdown() -> str:
+    """:data:`GEGLU_CLASSES` as the Markdown table of docs/transformers.md (a test keeps the two equal)."""
+    lines = ["| model | class | status | default activation | hub layer | notes |", "|---|---|---|---|---|---|"]
+    for h in GEGLU_CLASSES:
+        layer = f"`{h.layer}`" if h.layer else "–"
+        lines.append(f"| {h.model} | `{h.name}` | {h.status} | {h.activation} | {layer} | {h.note} |")
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["register_geglu_kernels", "geglu_kernel_config", "GEGLU_CLASSES", "HostClass", "GeGLURegistration",
+           "is_kernel_gelu", "classes_markdown", "DEFAULT_REPO_ID", "KEY_PREFIX"]
