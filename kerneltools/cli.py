@@ -17,6 +17,7 @@ SUBCOMMANDS = [
     "kerneltools.hub_server",  # serve
     "kerneltools.publish",  # publish
     "kerneltools.bench",  # bench
+    "kerneltools.lock",  # prefetch
 ]
 
 
