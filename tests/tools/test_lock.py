@@ -14,20 +14,20 @@ import sys
 from pathlib import Path
 
 import pytest
-from huggingface_hub import snapshot_download
-
 from toolhelpers import (
     GEGLU_PROBE,
     GEGLU_REPO,
     KERNELS_CLI,
     TRUSTED_ORG,
+    cache_complete,
+    cache_ref,
     kernels_env,
     make_project,
     make_variant,
     run_cli,
     run_kernels,
 )
-from kerneltools.lock import BYTECODE_IGNORE, PrefetchError, prefetch
+from kerneltools.lock import PrefetchError, prefetch
 from kerneltools.publish import publish
 
 CONSUMER = Path(__file__).resolve().parent / "data" / "consumer"
@@ -83,7 +83,7 @@ def _loaded(build, commit):
     return {"id": build.ids["torch-cpu"], "commit": commit, "variant": "torch-cpu", "exact": True}
 
 
-def test_lock_pins_the_commit_while_the_version_moves(hub, tmp_path, geglu_builds):
+def test_lock_pins_the_commit_and_prefetch_makes_it_load_offline(hub, tmp_path, geglu_builds):
     v1, v1_changed = geglu_builds.v1, geglu_builds.v1_changed
     r1 = v1.publish(hub)
     project = consumer_project(tmp_path)
@@ -91,39 +91,23 @@ def test_lock_pins_the_commit_while_the_version_moves(hub, tmp_path, geglu_build
         {"dependency": {"repo-id": GEGLU_REPO, "version": 1}, "lock": {"commit": r1.commit}}]
     r1b = v1_changed.publish(hub)  # v1 moves on: a rebuild from a changed tree
     assert r1b.branch == "v1" and r1b.commit != r1.commit
-
-    out = run_kernels(hub.url, tmp_path, prelude=GEGLU_PROBE + consumer_prelude(project), body="""
-    from kernels import get_kernel
-    out["latest"] = describe(get_kernel(app.REPO_ID, version=1))
-    locked = app.geglu_kernel()
-    out["locked"] = describe(locked)
-    out["locked_init"] = Path(locked.__file__).read_text()
-    out["mlp"] = mlp_check()
-    """)
-    assert out["latest"] == _loaded(v1_changed, r1b.commit)
-    assert out["locked"] == _loaded(v1, r1.commit)
-    assert "rebuilt: v1 moved on" not in out["locked_init"]  # the old commit's files
-    assert out["mlp"] == {"layer": v1.ids["torch-cpu"], "exact": True}
-
-
-def test_offline_loads_need_prefetch(hub, tmp_path, geglu_builds):
-    v1, v1_changed = geglu_builds.v1, geglu_builds.v1_changed
-    r1 = v1.publish(hub)
-    project = consumer_project(tmp_path)
-    kernels_lock(hub, tmp_path, project)
-    r1b = v1_changed.publish(hub)
     prelude = GEGLU_PROBE + consumer_prelude(project)
     no_snapshot = (f"FileNotFoundError: Cannot find a local snapshot for {GEGLU_REPO} (revision: {r1.commit}). When "
                    "Hugging Face Hub is in offline mode the kernel must already be present in the local cache.")
 
-    # Online, as users load: the cache gets one variant per commit, and no refs/v1. load_kernel (cache only) fails
-    # even here: huggingface_hub rejects the one-variant snapshot as incomplete.
-    online = run_kernels(hub.url, tmp_path, prelude=prelude, body=LOADS)
+    # Online, as users load: version=1 follows the branch, the locked loads keep the locked commit. The cache gets
+    # one variant per commit and no refs/v1, so load_kernel (cache only) fails even online: huggingface_hub
+    # rejects the one-variant snapshot as incomplete.
+    online = run_kernels(hub.url, tmp_path, prelude=prelude, body=LOADS + """
+out["locked_file"] = Path(app.geglu_kernel().__file__).read_text()
+""")
     assert online["get_kernel"] == _loaded(v1_changed, r1b.commit)
     assert online["get_locked_kernel"] == _loaded(v1, r1.commit)
-    assert online["load_kernel"] == no_snapshot
+    assert "rebuilt: v1 moved on" not in online["locked_file"]  # the old commit's files
     assert online["LockedLayerRepository"] == {"layer": v1.ids["torch-cpu"], "exact": True}
+    assert online["load_kernel"] == no_snapshot
 
+    # Offline (server stopped, so nothing can go online) on that cache: all four fail, with kernels' messages
     hub.stop()
     before = run_kernels(hub.url, tmp_path, prelude=prelude, body=LOADS, extra_env=OFFLINE)
     assert before["get_kernel"] == (
@@ -141,10 +125,13 @@ def test_offline_loads_need_prefetch(hub, tmp_path, geglu_builds):
         assert r.stdout.splitlines()[0] == line + "torch-cpu, torch-cuda"
     hub.stop()
 
-    after = run_kernels(hub.url, tmp_path, prelude=prelude, body=LOADS, extra_env=OFFLINE)
+    after = run_kernels(hub.url, tmp_path, prelude=prelude, extra_env=OFFLINE, body=LOADS + """
+out["v2"] = error(get_kernel, app.REPO_ID, version=2)
+""")
     assert after["get_kernel"] == _loaded(v1_changed, r1b.commit)  # v1 as it was when prefetched
     assert after["get_locked_kernel"] == after["load_kernel"] == _loaded(v1, r1.commit)
     assert after["LockedLayerRepository"] == {"layer": v1.ids["torch-cpu"], "exact": True}
+    assert after["v2"] == "ValueError: Version 2 not found, available versions: 1"  # "available": prefetched
     assert f"Skipping publisher trust check for '{GEGLU_REPO}' because Hugging Face Hub is in offline mode" in \
         after["_stderr"]  # kernels trusts the cache offline; prefetch did the check (test_load_faults.py)
 
@@ -160,21 +147,6 @@ def _tiny(tmp_path: Path, name: str, sha: str, depends: list | None = None) -> P
     return build
 
 
-def _complete(cache: Path, repo_id: str, commit: str) -> bool:
-    """What kernels asks offline: a complete snapshot of this commit in the cache."""
-    try:
-        snapshot_download(repo_id, repo_type="kernel", revision=commit, cache_dir=cache, local_files_only=True,
-                          ignore_patterns=BYTECODE_IGNORE)
-    except FileNotFoundError:
-        return False
-    return True
-
-
-def _ref(cache: Path, repo_id: str, ref: str) -> str | None:
-    path = cache / f"kernels--{repo_id.replace('/', '--')}" / "refs" / ref
-    return path.read_text() if path.exists() else None
-
-
 def test_prefetch_follows_kernel_depends(hub, tmp_path):
     top, dep = f"{TRUSTED_ORG}/top", f"{TRUSTED_ORG}/dep"
     d1 = publish(_tiny(tmp_path, "dep", "aaa1111"), endpoint=hub.url, progress=False)
@@ -183,8 +155,8 @@ def test_prefetch_follows_kernel_depends(hub, tmp_path):
     cache = tmp_path / "cache"
     got = prefetch(top, version=1, cache_dir=cache, endpoint=hub.url)
     assert [(g.repo_id, g.commit, g.refs) for g in got] == [(top, t1.commit, ["v1"]), (dep, d1.commit, ["v1"])]
-    assert _ref(cache, top, "v1") == t1.commit and _ref(cache, dep, "v1") == d1.commit
-    assert _complete(cache, top, t1.commit) and _complete(cache, dep, d1.commit)
+    assert cache_ref(cache, top, "v1") == t1.commit and cache_ref(cache, dep, "v1") == d1.commit
+    assert cache_complete(cache, top, t1.commit) and cache_complete(cache, dep, d1.commit)
 
     # with a lock file, the dependency is fetched at its locked commit even after its branch moved, and no ref
     # is written (refs/vN must name the branch head, which is not what the lock pins)
@@ -199,7 +171,7 @@ def test_prefetch_follows_kernel_depends(hub, tmp_path):
     cache2 = tmp_path / "cache2"
     got = prefetch(top, lockfile=lockfile, cache_dir=cache2, endpoint=hub.url)
     assert [(g.repo_id, g.commit, g.refs) for g in got] == [(top, t1.commit, []), (dep, d1.commit, [])]
-    assert not _complete(cache2, dep, d2.commit) and _ref(cache2, dep, "v1") is None
+    assert not cache_complete(cache2, dep, d2.commit) and cache_ref(cache2, dep, "v1") is None
 
     lockfile.write_text(lock_of((top, t1.commit)))
     with pytest.raises(PrefetchError, match=f"{top} \\(torch-cpu\\) depends on {dep}, which the lock file does not "

@@ -225,6 +225,47 @@ def kernel_source_copy(dest: Path, *, version: int | None = None, note: str = ""
     return dest
 
 
+# --- the kernels cache ($KERNELS_CACHE) --------------------------------------------------------------------------------
+
+
+def cache_repo(cache: Path, repo_id: str) -> Path:
+    return cache / f"kernels--{repo_id.replace('/', '--')}"
+
+
+def cache_complete(cache: Path, repo_id: str, commit: str) -> bool:
+    """What kernels asks offline: a complete snapshot of this commit (huggingface_hub checks it against the cached
+    tree listing)."""
+    from huggingface_hub import snapshot_download
+
+    from kerneltools.lock import BYTECODE_IGNORE
+
+    try:
+        snapshot_download(repo_id, repo_type="kernel", revision=commit, cache_dir=cache, local_files_only=True,
+                          ignore_patterns=BYTECODE_IGNORE)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def cache_ref(cache: Path, repo_id: str, ref: str) -> str | None:
+    path = cache_repo(cache, repo_id) / "refs" / ref
+    return path.read_text() if path.exists() else None
+
+
+def cache_bad_blobs(cache: Path, repo_id: str) -> list[str]:
+    """Blobs the cache treats as complete whose content is not what their name (the git blob id the server sent as
+    ETag) says: a poisoned cache. Partial downloads (*.incomplete) are not treated as complete and are skipped."""
+    import hashlib
+
+    bad = []
+    for blob in (cache_repo(cache, repo_id) / "blobs").iterdir():
+        if not blob.name.endswith(".incomplete"):
+            data = blob.read_bytes()
+            if hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest() != blob.name:
+                bad.append(blob.name)
+    return bad
+
+
 # Prepended to run_kernels bodies that load the real kernel: what was loaded, and whether it computes exactly.
 GEGLU_PROBE = """
 from pathlib import Path
