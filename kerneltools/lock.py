@@ -174,7 +174,12 @@ class _Prefetcher:
             self.done[key] = got = Prefetched(repo_id, commit, path, [m.parent.name for m in metas])
             self.log(f"{repo_id} @ {commit[:12]}: {', '.join(got.variants)}")
             for m in metas:
-                for dep in Metadata.read_from_file(m).kernel_depends:
+                try:
+                    deps = Metadata.read_from_file(m).kernel_depends
+                except ValueError as e:
+                    raise PrefetchError(f"{repo_id} at {commit}: kernels cannot parse build/{m.parent.name}/"
+                                        f"metadata.json ({e}), so it would not load it either.") from None
+                for dep in deps:
                     self.dependency(dep, needed_by=f"{repo_id} ({m.parent.name})")
         got = self.done[key]
         if ref is not None and ref not in got.refs:
