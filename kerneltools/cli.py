@@ -19,6 +19,7 @@ SUBCOMMANDS = [
     "kerneltools.bench",  # bench
     "kerneltools.demo",  # demo
     "kerneltools.profile",  # profile
+    "kerneltools.lock",  # prefetch
 ]
 
 

@@ -611,6 +611,8 @@ class HubRequestHandler(BaseHTTPRequestHandler):
         if method == "HEAD" or length == 0:
             return
         proc = repo.open_blob(entry.oid)
+        # test-only (docs/hub-server.md): die after sending the first half of this file's body
+        crash_after = length // 2 if os.environ.get(CRASH_ENV) == f"mid-download:{path}" else None
         try:
             skip = start
             while skip > 0:
@@ -623,6 +625,10 @@ class HubRequestHandler(BaseHTTPRequestHandler):
                 chunk = proc.stdout.read(min(left, 1 << 20))
                 if not chunk:
                     break
+                if crash_after is not None:
+                    self.wfile.write(chunk[:crash_after])
+                    self.wfile.flush()
+                    os._exit(137)
                 self.wfile.write(chunk)
                 left -= len(chunk)
             if left:

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -110,17 +113,23 @@ def kernels_env(hub_url: str, tmp: Path) -> dict:
     return env
 
 
-def run_kernels(hub_url: str, tmp: Path, body: str, timeout: float = 120) -> dict:
-    """Run python code with kernels against the server in a fresh process; the code fills `out` (a dict)."""
-    script = "import json, sys\nout = {}\n" + textwrap.dedent(body) + "\nprint('@@OUT@@' + json.dumps(out))\n"
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=kernels_env(hub_url, tmp),
-                       timeout=timeout)
+def run_kernels(hub_url: str, tmp: Path, body: str, timeout: float = 120, extra_env: dict | None = None,
+                prelude: str = "") -> dict:
+    """Run python code with kernels against the server in a fresh process; the code fills `out` (a dict).
+    extra_env is added to kernels_env (e.g. HF_HUB_OFFLINE=1); prelude (e.g. GEGLU_PROBE) runs before body."""
+    script = ("import json, sys\nout = {}\n" + textwrap.dedent(prelude) + "\n" + textwrap.dedent(body)
+              + "\nprint('@@OUT@@' + json.dumps(out))\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       env={**kernels_env(hub_url, tmp), **(extra_env or {})}, timeout=timeout)
     marker = [l for l in r.stdout.splitlines() if l.startswith("@@OUT@@")]
     if r.returncode != 0 or not marker:
         raise AssertionError(f"kernels subprocess failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}")
     out = json.loads(marker[-1][len("@@OUT@@"):])
     out["_stderr"] = r.stderr
     return out
+
+
+KERNELS_CLI = shutil.which("kernels", path=str(Path(sys.executable).parent)) or "kernels"  # kernels' own CLI
 
 
 def run_cli(args: list[str], env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -158,3 +167,135 @@ def file_item(path: str, data: bytes) -> dict:
     import base64
 
     return {"key": "file", "value": {"path": path, "content": base64.b64encode(data).decode(), "encoding": "base64"}}
+
+
+# --- the real kernel -------------------------------------------------------------------------------------------------
+
+GEGLU_REPO = f"{TRUSTED_ORG}/geglu"  # build.toml [general.hub] repo-id
+
+
+@dataclass(frozen=True)
+class GegluBuild:
+    """Noarch variants of the real kernel built by kerneltools.build; ids are metadata.json's (module names)."""
+
+    build_dir: Path
+    build_toml: Path
+    ids: dict  # variant -> metadata id
+    dirty: bool
+
+    def publish(self, hub, repo_id: str | None = None):
+        from kerneltools.publish import publish
+
+        # force_dirty only lets a developer run the tests on uncommitted changes of this checkout
+        return publish(self.build_dir, repo_id=repo_id, endpoint=hub.url, build_toml=self.build_toml,
+                       force_dirty=self.dirty, progress=False)
+
+
+def build_geglu(src_root: Path, out: Path) -> GegluBuild:
+    from kerneltools.build import build, source_id
+
+    dirs = build(src_root, out, variants=["cpu", "cuda"], log=lambda *a: None)
+    return GegluBuild(out, src_root / "build.toml",
+                      {d.name: json.loads((d / "metadata.json").read_text())["id"] for d in dirs},
+                      source_id(src_root).dirty)
+
+
+def kernel_source_copy(dest: Path, *, version: int | None = None, note: str = "") -> Path:
+    """A git repository with a copy of this checkout's kernel sources (build.toml, torch-ext/, geglu/), committed:
+    the builder then gives it its own tree id, so its variants get ids (module names) of their own. `version`
+    replaces build.toml's; `note` is appended as a comment to the package's __init__.py (a changed tree)."""
+    dest.mkdir(parents=True)
+    shutil.copy2(REPO_ROOT / "build.toml", dest / "build.toml")
+    generated = shutil.ignore_patterns("__pycache__", "*.pyc", "_ops.py", "registration.h", "*.so")
+    for d in ("torch-ext", "geglu"):  # geglu/: the CUDA sources, where this checkout has them
+        if (REPO_ROOT / d).is_dir():
+            shutil.copytree(REPO_ROOT / d, dest / d, ignore=generated)
+    if version is not None:
+        toml = dest / "build.toml"
+        text, n = re.subn(r"(?m)^version = \d+$", f"version = {version}", toml.read_text(), count=1)
+        assert n == 1, "build.toml has no [general] version line"
+        toml.write_text(text)
+    if note:
+        with open(dest / "torch-ext" / "geglu" / "__init__.py", "a") as f:
+            f.write(f"# {note}\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    ident = ["-c", "user.name=test", "-c", "user.email=test@localhost", "-c", "commit.gpgsign=false"]
+    for args in (["init", "-q"], ["add", "-A"], [*ident, "commit", "-qm", "kernel sources"]):
+        subprocess.run(["git", "-C", str(dest), *args], check=True, capture_output=True, env=env)
+    return dest
+
+
+# --- the kernels cache ($KERNELS_CACHE) --------------------------------------------------------------------------------
+
+
+def cache_repo(cache: Path, repo_id: str) -> Path:
+    return cache / f"kernels--{repo_id.replace('/', '--')}"
+
+
+def cache_complete(cache: Path, repo_id: str, commit: str) -> bool:
+    """What kernels asks offline: a complete snapshot of this commit (huggingface_hub checks it against the cached
+    tree listing)."""
+    from huggingface_hub import snapshot_download
+
+    from kerneltools.lock import BYTECODE_IGNORE
+
+    try:
+        snapshot_download(repo_id, repo_type="kernel", revision=commit, cache_dir=cache, local_files_only=True,
+                          ignore_patterns=BYTECODE_IGNORE)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def cache_ref(cache: Path, repo_id: str, ref: str) -> str | None:
+    path = cache_repo(cache, repo_id) / "refs" / ref
+    return path.read_text() if path.exists() else None
+
+
+def cache_bad_blobs(cache: Path, repo_id: str) -> list[str]:
+    """Blobs the cache treats as complete whose content is not what their name (the git blob id the server sent as
+    ETag) says: a poisoned cache. Partial downloads (*.incomplete) are not treated as complete and are skipped."""
+    import hashlib
+
+    bad = []
+    for blob in (cache_repo(cache, repo_id) / "blobs").iterdir():
+        if not blob.name.endswith(".incomplete"):
+            data = blob.read_bytes()
+            if hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest() != blob.name:
+                bad.append(blob.name)
+    return bad
+
+
+# Prepended to run_kernels bodies that load the real kernel: what was loaded, and whether it computes exactly.
+GEGLU_PROBE = """
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+
+def exact(k):
+    \"\"\"k.geglu(gate, up, approx) == F.gelu(gate, approximate=approx) * up bit for bit (CPU), both GELUs.\"\"\"
+    g = torch.Generator().manual_seed(0)
+    ok = []
+    for dtype in (torch.float32, torch.bfloat16):
+        gate = (torch.randn(4, 96, generator=g) * 3).to(dtype)
+        up = torch.randn(4, 96, generator=g).to(dtype)
+        for approx in ("tanh", "none"):
+            ok.append(torch.equal(k.geglu(gate, up, approx), F.gelu(gate, approximate=approx) * up))
+    return all(ok)
+
+
+def describe(k):
+    \"\"\"Module name (= metadata id), cache snapshot (= Hub commit) and variant it came from, and its numerics.\"\"\"
+    init = Path(k.__file__)  # <cache>/kernels--org--name/snapshots/<commit>/build/<variant>/__init__.py
+    return {"id": k.__name__, "commit": init.parents[2].name, "variant": init.parent.name, "exact": exact(k)}
+
+
+def error(fn, *args, **kwargs):
+    try:
+        fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return None
+"""
