@@ -136,8 +136,7 @@ def _rest(log: _Log, build_dir: Path, endpoint: str) -> int:
     # 4. get_kernel
     import torch
     import torch.nn.functional as F
-    from kernels import LayerRepository, Mode, get_kernel, kernelize, replace_kernel_forward_from_hub, \
-        use_kernel_mapping
+    from kernels import Mode, get_kernel, kernelize
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     log.step(f'get_kernel("{REPO_ID}", version=1) on {device}')
@@ -152,7 +151,7 @@ def _rest(log: _Log, build_dir: Path, endpoint: str) -> int:
     log.info(f"geglu(gate, up, 'tanh') == F.gelu(gate, approximate='tanh') * up: {same}")
 
     # 5. kernelize a Gemma-style model
-    log.step("kernelize a small Gemma model (GemmaMLP -> hub layer GeGLUMLP)")
+    log.step("kernelize a small Gemma model (GemmaMLP -> hub layer GeGLUMLP), via register_geglu_kernels()")
     from transformers.models.gemma.modeling_gemma import GemmaMLP
 
     model = tiny_gemma(device)
@@ -165,14 +164,12 @@ def _rest(log: _Log, build_dir: Path, endpoint: str) -> int:
     with torch.no_grad():
         before = _per_forward(lambda: mlp(x), device)
 
-    replace_kernel_forward_from_hub(GemmaMLP, "GeGLUMLP")
-    mapping = {"GeGLUMLP": {device: {
-        Mode.INFERENCE: LayerRepository(REPO_ID, layer_name="GeGLUMLP", version=1),
-        Mode.TRAINING: LayerRepository(REPO_ID, layer_name="GeGLUMLP", version=1),
-    }}}
-    with use_kernel_mapping(mapping):
-        kernelize(model, mode=Mode.INFERENCE, device=device)
-    swapped = sum(type(m).__name__ == "GemmaMLP" and "GeGLUMLP" in m.forward.__qualname__ for m in model.modules())
+    from .transformers_kernels import register_geglu_kernels
+
+    reg = register_geglu_kernels(REPO_ID, version=1, devices=(device,))  # the one call users make
+    log.info(f"register_geglu_kernels: {len(reg.classes)} transformers GeGLU classes mapped to {REPO_ID} v1")
+    kernelize(model, mode=Mode.INFERENCE, device=device)
+    swapped = sum(isinstance(m, GemmaMLP) and "GeGLUMLP" in m.forward.__qualname__ for m in model.modules())
     with torch.no_grad():
         logits = model(ids).logits
         tokens = model.generate(ids[:1, :8], max_new_tokens=8, do_sample=False)
