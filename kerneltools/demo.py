@@ -48,7 +48,8 @@ def _per_forward(fn, device: str) -> list[tuple[str, float]]:
             torch.cuda.synchronize()
     events = prof.events()
     if device == "cuda":
-        return [(e.name, e.device_time) for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        return [(e.name, e.device_time) for e in events
+                if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith("Memset")]
     # metadata-only operators (views, allocation) run no kernel
     return [(e.name, e.cpu_time) for e in events if e.cpu_parent is None and "::" in e.name
             and e.name not in _NO_KERNEL_OPS]

@@ -107,8 +107,10 @@ def make_project(root: Path, *, name: str = "tiny", version: int = 1, repo_id: s
 
 def kernels_env(hub_url: str, tmp: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "KERNELS_", "HUGGINGFACE_"))}
+    # keep an inherited PYTHONPATH (packages installed with --target, as on the GPU machine), repo first
+    pythonpath = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env.update(HF_ENDPOINT=hub_url, KERNELS_CACHE=str(tmp / "kcache"), HF_HOME=str(tmp / "hf_home"),
-               PYTHONPATH=str(REPO_ROOT), TQDM_DISABLE="1")
+               PYTHONPATH=pythonpath, TQDM_DISABLE="1")
     # never HF_HUB_DISABLE_TELEMETRY=1: it breaks kernels 0.17.2 (illegal User-Agent header)
     return env
 

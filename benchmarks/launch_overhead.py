@@ -1,0 +1,61 @@
+"""Host cost of one call at decode size (1 x 14336 bf16), back to back: where the microseconds go.
+Dev tool for the low-overhead work; prints µs per call for each layer of the call path.
+
+    python benchmarks/launch_overhead.py [--build-dir build]
+"""
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kerneltools.bench import per_call_us  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--build-dir", type=Path, default=Path("build"))
+    args = ap.parse_args()
+    import kernels
+
+    geglu = kernels.get_local_kernel(args.build_dir)
+    tr = importlib.import_module(geglu.__name__ + "._triton")
+    co = importlib.import_module(geglu.__name__ + "._custom_ops")
+    g = torch.randn(1, 14336, device="cuda").bfloat16()
+    out = torch.empty_like(g)
+    c = dict(K_BETA_TANH=tr.K_BETA_TANH, K_KAPPA=tr.K_KAPPA, K_ALPHA=tr.K_ALPHA)
+    grid = (1, 14)
+    rows = {
+        "eager F.gelu(g)*u": lambda: F.gelu(g, approximate="tanh") * g,
+        "empty_like": lambda: torch.empty_like(g),
+        "triton raw launch, fusion kwarg": lambda: tr._geglu_fwd_kernel[grid](
+            g, g, out, 1, 14336, 14336, 14336, 14336, TANH=True, BLOCK_M=1, BLOCK_N=1024, num_warps=4,
+            enable_fp_fusion=False, **c),
+        "triton raw launch, no kwargs": lambda: tr._geglu_fwd_kernel[grid](
+            g, g, out, 1, 14336, 14336, 14336, 14336, TANH=True, BLOCK_M=1, BLOCK_N=1024, **c),
+        "triton geglu_fwd()": lambda: tr.geglu_fwd(out, g, g, True),
+    }
+    if geglu.HAS_CUDA_LIB:
+        op = geglu.ops.geglu_fwd.default
+        rows["cuda op (OpOverload)"] = lambda: op(out, g, g, True)
+    for name in ("cuda", "triton"):
+        if name == "cuda" and not geglu.HAS_CUDA_LIB:
+            continue
+        geglu.set_backend(name)
+        rows[f"{name}: _forward_into"] = lambda: co._forward_into(out, g, g, "tanh")
+        rows[f"{name}: geglu(out=)"] = lambda: geglu.geglu(g, g, "tanh", out=out)
+        rows[f"{name}: geglu()"] = lambda: geglu.geglu(g, g, "tanh")
+        for label, fn in list(rows.items()):
+            if label.startswith(name + ":"):
+                print(f"{label:<40} {per_call_us(fn):8.2f} us/call")
+    geglu.set_backend("auto")
+    for label, fn in rows.items():
+        if ":" not in label:
+            print(f"{label:<40} {per_call_us(fn):8.2f} us/call")
+
+
+if __name__ == "__main__":
+    main()
