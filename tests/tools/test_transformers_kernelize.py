@@ -121,9 +121,10 @@ def _assert_grads(name: str, g: dict) -> None:
         assert g["equal"], f"gradients differ from eager (worst: {g['worst']}, {g['worst_rel']:.3g})"
 
 
-def test_docs_list_every_class_with_its_status():
-    doc = (REPO_ROOT / "docs" / "transformers.md").read_text()
-    assert classes_markdown() in doc, "docs/transformers.md's table differs from GEGLU_CLASSES: regenerate it"
+@pytest.mark.parametrize("doc", ["docs/transformers.md", "README.md"])
+def test_docs_list_every_class_with_its_status(doc):
+    text = (REPO_ROOT / doc).read_text()
+    assert classes_markdown() in text, f"{doc}'s table differs from GEGLU_CLASSES: regenerate it (classes_markdown())"
 
 
 # ----------------------------------------------------------------------------------------------------------------
