@@ -111,13 +111,34 @@ def _empty_cache():
 
 
 def kernel_info(kt) -> str:
+    """Registers / spills / shared memory of the last launch, and whether ptxas serialized its wgmma pipeline
+    (Triton's bundled ptxas run on the kernel's PTX; see benchmarks/aot_fused_mlp.py)."""
     k = getattr(kt, "last_compiled", None)
     if k is None:
         return ""
     regs = getattr(k, "n_regs", "?")
     spills = getattr(k, "n_spills", "?")
     shared = getattr(getattr(k, "metadata", None), "shared", None)
-    return f"{regs} regs, {spills} spills" + (f", {shared // 1024} KiB smem" if isinstance(shared, int) else "")
+    info = f"{regs} regs, {spills} spills" + (f", {shared // 1024} KiB smem" if isinstance(shared, int) else "")
+    try:
+        import re
+        import subprocess
+
+        import triton
+
+        ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+            f.write(k.asm["ptx"])
+        cap = torch.cuda.get_device_capability()
+        arch = f"sm_{cap[0]}{cap[1]}" + ("a" if cap[0] == 9 else "")
+        r = subprocess.run([str(ptxas), "-v", "--gpu-name", arch, f.name, "-o", "/dev/null"], capture_output=True,
+                           text=True, timeout=120)
+        os.unlink(f.name)
+        codes = sorted(set(re.findall(r"\((C75\d\d)\) Potential Performance Loss: wgmma", r.stderr)))
+        info += ", wgmma SERIALIZED (" + ",".join(codes) + ")" if codes else ", wgmma pipelined"
+    except Exception as e:  # no ptxas, no PTX: leave the verdict out
+        info += f", ptxas check skipped ({type(e).__name__})"
+    return info
 
 
 def run_shape(geglu, fm, kt, M, D, H, approximate, quick, log):

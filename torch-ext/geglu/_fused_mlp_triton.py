@@ -150,11 +150,13 @@ class Config(NamedTuple):
     warp_specialize: bool = False  # Triton's automatic warp specialisation: on the tile loop when persistent, else
     #                                on the K loop (a TMA producer warp and wgmma consumer warpgroups)
     tma: bool = True  # use TMA descriptors where the hardware and the strides allow it
+    programs_per_sm: int = 1  # persistent grid size = programs_per_sm * SMs (2 for tiles that fit twice on an SM)
 
     def label(self) -> str:
         s = f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages} g{self.group_m}"
         if self.persistent:
-            s += " persistent" + (" flat" if self.flatten else "")
+            s += " persistent" + (f"x{self.programs_per_sm}" if self.programs_per_sm > 1 else "") + (
+                " flat" if self.flatten else "")
         if self.warp_specialize:
             s += " ws"
         if not self.tma:
@@ -162,32 +164,34 @@ class Config(NamedTuple):
         return s
 
 
-# Shared memory per stage is (BLOCK_M + 2 * BLOCK_N) * BLOCK_K * 2 bytes: 48 KiB at 128x128x64, so 3 stages
-# (144 KiB) leave room for the epilogue's store staging (32 KiB for h, +64 KiB for g, u when saving) within
-# Hopper's 227 KiB. Registers: two 128x128 fp32 accumulators over 8 warps are 128 registers a thread.
-LARGE = Config(128, 128, 64, 8, 8, 3)
-MEDIUM = Config(64, 128, 64, 8, 4, 4)  # 65 <= M <= 256: one warpgroup, m64 wgmma
+# Shared memory per stage is (BLOCK_M + 2 * BLOCK_N) * BLOCK_K * 2 bytes: 48 KiB at 128x128x64. Registers: two
+# 128x128 fp32 accumulators over 8 warps are 128 a thread. Checked offline for sm_90a with Triton 3.6's compiler and
+# ptxas (benchmarks/aot_fused_mlp.py, no GPU needed): the persistent 128x128x64 w8 s3 kernel issues its 8 wgmma of a
+# K step back to back (one wait per step, 2 groups in flight), 172 registers (181 with save), 176 KiB of shared
+# memory, no spills. The same tile without the persistent loop compiles to a *serialized* wgmma pipeline (ptxas
+# C7515: every wgmma waits for the previous one), so it is not the default.
+LARGE = Config(128, 128, 64, 8, 8, 3, persistent=True)
+MEDIUM = Config(64, 128, 64, 8, 4, 4)  # 65 <= M <= 256: one warpgroup, m64 wgmma (not serialized; 173 registers)
 INTERPRETER = Config(16, 16, 16, 2, 1, 1)  # tiny tiles: several tiles and K steps at test sizes
 
 # Measured choices, (M bucket, D, H, dtype, save) -> Config; filled from benchmarks/bench_fused_mlp.py runs.
 TUNED: dict = {}
 
-# The tile configs the benchmark sweeps (inference mode); the best per shape goes into TUNED.
+# The tile configs the benchmark sweeps (inference mode); the best per shape goes into TUNED. Arithmetic intensity
+# (outputs per loaded row per K step): 128x128 and 256x64 tiles (both gate and up) match cuBLAS's 128x256 tile.
 SWEEP = [
-    Config(128, 128, 64, 8, 8, 3),
-    Config(128, 128, 64, 8, 8, 4),
-    Config(128, 128, 64, 16, 8, 3),
-    Config(128, 128, 32, 8, 8, 5),
-    Config(128, 64, 64, 8, 4, 3),
-    Config(128, 64, 64, 8, 4, 4),
-    Config(64, 128, 64, 8, 4, 4),
-    Config(256, 64, 64, 8, 8, 3),
-    Config(128, 128, 64, 8, 8, 3, persistent=True),
-    Config(128, 128, 64, 8, 8, 3, persistent=True, flatten=True),
+    LARGE,
+    Config(128, 128, 64, 16, 8, 3, persistent=True),
     Config(128, 128, 64, 8, 8, 3, persistent=True, warp_specialize=True),
-    Config(128, 128, 64, 8, 8, 3, warp_specialize=True),
-    Config(128, 128, 64, 8, 4, 3, warp_specialize=True),
-    Config(128, 128, 64, 8, 8, 3, tma=False),
+    Config(256, 64, 64, 8, 8, 3),
+    Config(256, 64, 64, 8, 8, 4),
+    Config(256, 64, 64, 8, 8, 3, persistent=True),
+    Config(128, 64, 64, 8, 4, 3),  # 96 KiB, ~173 registers x 128 threads: two programs per SM
+    Config(128, 64, 64, 8, 4, 3, persistent=True, programs_per_sm=2),
+    Config(128, 64, 64, 8, 4, 4),
+    MEDIUM,
+    Config(128, 128, 64, 8, 8, 3),  # reference: the serialized non-persistent compile (see above)
+    Config(128, 128, 64, 8, 8, 3, tma=False),  # pointer loads instead of TMA
 ]
 
 
@@ -272,7 +276,7 @@ def gate_up_geglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, tan
 def _launch(args, M, N, K, x, w_gate, w_up, out, g_view, u_view, tanh, save, use_tma, cfg):
     global last_compiled
     num_tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
-    grid = (min(num_tiles, _sm_count(x.device)) if cfg.persistent else num_tiles,)
+    grid = (min(num_tiles, cfg.programs_per_sm * _sm_count(x.device)) if cfg.persistent else num_tiles,)
     with torch.cuda.device(x.device) if x.device.type == "cuda" else _nullcontext():
         last_compiled = _gate_up_geglu_kernel[grid](
             *args, M, N, K,
