@@ -32,6 +32,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="8192x4096x14336", help="MxDxH (only divisibility matters)")
     ap.add_argument("--config", default=None, help="only the config with this label")
     ap.add_argument("--save", action="store_true", help="also the training variant (writes [g|u])")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--approximate", default="tanh", choices=["tanh", "none"])
     ap.add_argument("--out", type=Path, default=None, help="keep PTX / SASS here")
     args = ap.parse_args(argv)
     if args.triton_path:
@@ -80,10 +82,10 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     M, D, H = (int(v) for v in args.shape.split("x"))
-    bf = torch.bfloat16
+    bf = getattr(torch, args.dtype)
     x, wg, wu = torch.empty(M, D, dtype=bf), torch.empty(H, D, dtype=bf), torch.empty(H, D, dtype=bf)
     h, gu = torch.empty(M, H, dtype=bf), torch.empty(M, 2 * H, dtype=bf)
-    print(f"triton {triton.__version__}, sm_90a, {M}x{D}x{H} bf16")
+    print(f"triton {triton.__version__}, sm_90a, {M}x{D}x{H} {args.dtype} {args.approximate}")
     configs = list(dict.fromkeys([kt.LARGE, kt.MEDIUM] + list(kt.SWEEP)))
     bad = 0
     for save in ((False, True) if args.save else (False,)):
@@ -103,7 +105,7 @@ def main(argv=None) -> int:
             try:
                 k = kt._gate_up_geglu_kernel.warmup(
                     *kargs, M, H, D, x.stride(0), wg.stride(0), wu.stride(0), h.stride(0), g_view.stride(0),
-                    u_view.stride(0), TANH=True, SAVE=save, TMA=cfg.tma, DOT_F32=False,
+                    u_view.stride(0), TANH=args.approximate == "tanh", SAVE=save, TMA=cfg.tma, DOT_F32=False,
                     BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                     PERSISTENT=cfg.persistent, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
                     K_BETA_TANH=kt.K_BETA_TANH, K_KAPPA=kt.K_KAPPA, K_ALPHA=kt.K_ALPHA,
