@@ -218,6 +218,50 @@ def run_shape(geglu, fm, kt, M, D, H, approximate, quick, log):
             train[cfg.label()] = f"{type(e).__name__}"
     res["fused_train_us"] = train
 
+    # --- backward: dY @ Wd with the dGeGLU (and h) in its epilogue vs cuBLAS + our pointwise backward ---
+    dh_out = torch.empty(M, H, device=DEV, dtype=dt)
+    gu_ref = torch.cat([x @ wg.t(), x @ wu.t()], 1)
+    t_dh = bench_us(lambda: torch.mm(dy, wd, out=dh_out))
+    gu_pw = gu_ref.clone()
+    t_pwb = bench_us(lambda: geglu.ops.geglu_packed_backward_(dh_out, gu_pw, approximate, True))
+    t_h = bench_us(lambda: geglu.geglu(gu_ref[:, :H], gu_ref[:, H:], approximate, out=h_pw))
+    res.update(bwd_cublas_dh_us=round(t_dh, 1), bwd_pointwise_us=round(t_pwb, 1), bwd_recompute_h_us=round(t_h, 1))
+    log(f"  backward: cuBLAS dY@Wd {t_dh:.1f} us + pointwise dGeGLU {t_pwb:.1f} us (+ h recompute {t_h:.1f} us)")
+    ref_gu = gu_ref.clone()
+    geglu.ops.geglu_packed_backward_(dy @ wd, ref_gu, approximate, True)
+    ref_hb = geglu.geglu(gu_ref[:, :H], gu_ref[:, H:], approximate)
+    bsweep = []
+    bconfigs = list(dict.fromkeys([kt.choose_bwd_config(M, D, H, dt, True)] + ([] if quick else list(kt.BWD_SWEEP))))
+    if M <= 64:
+        bconfigs = [c for c in bconfigs if c.block_m <= 64] or [kt.BWD_MEDIUM]
+    gu_w = gu_ref.clone()
+    for cfg in bconfigs:
+        row = dict(config=cfg.label(), cfg=cfg._asdict())
+        try:
+            gu_w.copy_(gu_ref)
+            hb = kt.down_dgeglu(dy, wd, gu_w, tanh, True, cfg)
+            _sync()
+            row["info"] = kernel_info(kt)
+            row["rel_err_vs_cublas_pw"] = max(rel_err(gu_w, ref_gu), rel_err(hb, ref_hb))
+            row["ok"] = row["rel_err_vs_cublas_pw"] < 2e-2
+            t = bench_us(lambda: kt.down_dgeglu(dy, wd, gu_w, tanh, True, cfg))
+            row.update(us=round(t, 1), tflops=round(2 * M * D * H / (t * 1e-6) / 1e12, 1),
+                       pct_cublas=round(100 * t_dh / t, 1), vs_cublas_pw=round(100 * (t_dh + t_pwb) / t, 1))
+            log(f"  bwd {cfg.label():<40} {t:9.1f} us {row['tflops']:6.1f} TFLOP/s {row['pct_cublas']:6.1f}% of "
+                f"cuBLAS dY@Wd, {row['vs_cublas_pw']:6.1f}% of cuBLAS+pointwise err {row['rel_err_vs_cublas_pw']:.1e}"
+                f"{'' if row['ok'] else ' WRONG'}  [{row['info']}]")
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            log(f"  bwd {cfg.label():<40} failed: {row['error']}")
+        bsweep.append(row)
+        _empty_cache()
+    bgood = [r for r in bsweep if r.get("us") is not None and r.get("ok")]
+    bbest = min(bgood, key=lambda r: r["us"]) if bgood else None
+    res["bwd_sweep"] = bsweep
+    if bbest:
+        res["bwd_best_config"] = bbest["config"]
+    del dh_out, gu_ref, gu_pw, gu_w, ref_gu, ref_hb
+
     # --- the whole MLP ---
     def eager_mlp(x, wg, wu, wd):
         return F.linear(F.gelu(F.linear(x, wg), approximate=approximate) * F.linear(x, wu), wd)
@@ -233,15 +277,21 @@ def run_shape(geglu, fm, kt, M, D, H, approximate, quick, log):
              ("fused op (decode fallback)" if decode else "fused (default config)", fused_mlp)]
     if best and best["config"] != default_cfg.label() and not decode:
         impls.append(("fused (best config)", fused_mlp))
+    if bbest and not decode:
+        impls.append(("fused + fused bwd (best configs)", fused_mlp))
     leaves = [t.detach().clone().requires_grad_() for t in (x, wg, wu, wd)]
     mlp = []
     with torch.no_grad():
         ref32 = eager_mlp(x.float(), wg.float(), wu.float(), wd.float())
     for name, fn in impls:
-        if name == "fused (best config)":
-            bcfg = kt.Config(**best["cfg"])
-            for save in (False, True):
-                kt.TUNED[(kt.m_bucket(M), D, H, dt, save)] = bcfg
+        if name.startswith("fused (best config)") or name.startswith("fused + fused bwd"):
+            if best:
+                for save in (False, True):
+                    kt.TUNED[(kt.m_bucket(M), D, H, dt, save)] = kt.Config(**best["cfg"])
+        fm.FUSED_BACKWARD = name.startswith("fused + fused bwd")
+        if fm.FUSED_BACKWARD:
+            for wh in (False, True):
+                kt.BWD_TUNED[(kt.m_bucket(M), D, H, dt, wh)] = kt.Config(**bbest["cfg"])
 
         def fwd():
             with torch.no_grad():
@@ -265,6 +315,8 @@ def run_shape(geglu, fm, kt, M, D, H, approximate, quick, log):
             f"  err vs fp32 {err:.2e}")
         _empty_cache()
     kt.TUNED.clear()
+    kt.BWD_TUNED.clear()
+    fm.FUSED_BACKWARD = False
     res["mlp"] = mlp
     tgt = TARGETS_US.get((M, D, H))
     if tgt:
@@ -294,6 +346,17 @@ def to_markdown(result: dict) -> str:
             else:
                 L.append(f"| {s['config']} | {s['us']} | {s['tflops']} | {s['pct_cublas']} | "
                          f"{s['rel_err_vs_cublas_pw']:.1e}{'' if s['ok'] else ' WRONG'} | {s['info']} |")
+        L += ["", f"Backward: cuBLAS dY@Wd {r['bwd_cublas_dh_us']} µs + pointwise dGeGLU {r['bwd_pointwise_us']} µs "
+              f"(h recompute alone {r['bwd_recompute_h_us']} µs) vs the fused dY@Wd + dGeGLU + h kernel (it also "
+              f"recomputes h, so the forward keeps [g|u] only):", "",
+              "| bwd kernel config | µs | TFLOP/s | % of cuBLAS dY@Wd | % of cuBLAS dY@Wd + pointwise | rel err | "
+              "regs / spills / smem |", "|---|---|---|---|---|---|---|"]
+        for b in r.get("bwd_sweep", []):
+            if "error" in b:
+                L.append(f"| {b['config']} | failed: {b['error']} | | | | | |")
+            else:
+                L.append(f"| {b['config']} | {b['us']} | {b['tflops']} | {b['pct_cublas']} | {b['vs_cublas_pw']} | "
+                         f"{b['rel_err_vs_cublas_pw']:.1e}{'' if b['ok'] else ' WRONG'} | {b['info']} |")
         L += ["", f"Default config: {r['default_config']}; best: {r.get('best_config', '-')}. Training mode "
               f"(also writes [g|u]): " + ", ".join(f"{k}: {v} µs" for k, v in r["fused_train_us"].items()), "",
               "| MLP | fwd µs | fwd+bwd µs | peak extra MiB (fwd+bwd) | held fwd->bwd MiB | rel err vs fp32 |",

@@ -122,13 +122,62 @@ def test_epilogue_is_pointwise_geglu_of_its_preactivations(geglu, fused, kt, dty
         assert ((g.float() - ref_g).abs() <= ulp * 1.01).all()
 
 
+def _exact_grad_data(M, D, H, dtype, seed=3):
+    """dY with small integers and W_down with multiples of 1/8: dY @ W_down is exact in fp32 whatever the
+    accumulation order, and representable in bf16/fp16, so the fused kernel's d_h equals the reference's bit for bit."""
+    gen = torch.Generator().manual_seed(seed)
+    dy = torch.randint(-3, 4, (M, D), generator=gen).to(dtype).to(DEVICE)
+    wd = (torch.randint(-2, 3, (D, H), generator=gen) / 8).to(dtype).to(DEVICE)
+    gu = (torch.randn(M, 2 * H, generator=gen) * 2).to(dtype).to(DEVICE)
+    return dy, wd, gu
+
+
+def _bwd_configs(kt):
+    if not HAS_CUDA:
+        return [None, kt.Config(16, 32, 16, 2, 1, 1, tma=False, epi_split=2),
+                kt.Config(16, 64, 16, 2, 1, 1, persistent=True, epi_split=4)]
+    return [None, kt.Config(64, 128, 64, 8, 4, 3, tma=False, epi_split=2),
+            kt.Config(128, 128, 64, 8, 8, 3, persistent=True, epi_split=4), kt.Config(128, 128, 64, 8, 8, 3)]
+
+
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+def test_down_dgeglu_epilogue_is_pointwise_backward(geglu, fused, kt, dtype, approximate):
+    """The backward kernel: [d_g | d_u] written over [g | u] and the recomputed h equal our pointwise backward and
+    forward of the same d_h, g, u bit for bit (d_h exact by construction); every config family; ragged shapes."""
+    M, D, H = 40, 32, 48
+    dy, wd, gu = _exact_grad_data(M, D, H, dtype)
+    d_h = dy.float() @ wd.float()
+    assert torch.equal(d_h, d_h.to(dtype).float())  # exact and representable
+    ref_dg, ref_du = geglu.geglu_backward(d_h.to(dtype), gu[:, :H], gu[:, H:], approximate)
+    ref_h = geglu.geglu(gu[:, :H], gu[:, H:], approximate)
+    for cfg in _bwd_configs(kt):
+        work = gu.clone()
+        h = kt.down_dgeglu(dy, wd, work, approximate == "tanh", True, cfg)
+        assert torch.equal(work[:, :H], ref_dg) and torch.equal(work[:, H:], ref_du), f"config {cfg}"
+        assert torch.equal(h, ref_h), f"config {cfg}"
+        work = gu.clone()
+        assert kt.down_dgeglu(dy, wd, work, approximate == "tanh", False, cfg) is None
+        assert torch.equal(work[:, :H], ref_dg)
+    # the op, both routes (fused kernel here; cuBLAS + pointwise at decode sizes), same results
+    work = gu.clone()
+    h = geglu.ops.geglu_mlp_down_dgeglu_(dy, wd, work, approximate, True)
+    assert torch.equal(work, torch.cat([ref_dg, ref_du], 1)) and torch.equal(h, ref_h)
+    fused.DECODE_MAX_M = 64
+    work = gu.clone()
+    h = geglu.ops.geglu_mlp_down_dgeglu_(dy, wd, work, approximate, True)
+    assert torch.equal(work, torch.cat([ref_dg, ref_du], 1)) and torch.equal(h, ref_h)
+
+
 # --- end to end against eager and an fp32 reference ---------------------------------------------------------------
 
 
 @pytest.mark.parametrize("approximate", APPROX)
 @pytest.mark.parametrize("dtype", LOW_DTYPES)
-@pytest.mark.parametrize("with_down", [True, False])
-def test_mlp_forward_backward_vs_fp32_reference(fused, dtype, approximate, with_down):
+@pytest.mark.parametrize("with_down,fused_backward", [(True, False), (False, False), (True, True)])
+def test_mlp_forward_backward_vs_fp32_reference(fused, dtype, approximate, with_down, fused_backward, monkeypatch):
+    """fused_backward: the dGeGLU in the epilogue of dY @ Wd (h recomputed there for dW_down)."""
+    monkeypatch.setattr(fused, "FUSED_BACKWARD", fused_backward)
     M, D, H = 48, 32, 48
     x, wg, wu, wd = _data(M, D, H, dtype, down=with_down)
     ours = _run(fused.fused_geglu_mlp_forward, x, wg, wu, wd, approximate)
@@ -195,10 +244,17 @@ def test_opcheck(geglu, fused):
     # Forward and gradients under AOTAutograd are checked against eager by test_compile_fullgraph instead.
     torch.library.opcheck(op, (*leaves, "none", True),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    torch.library.opcheck(op, (*leaves, "tanh", True, True),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    dy, wd2, gu = _exact_grad_data(24, 32, 48, torch.bfloat16)
+    torch.library.opcheck(geglu.ops.geglu_mlp_down_dgeglu_.default, (dy, wd2, gu, "tanh", True))
+    torch.library.opcheck(geglu.ops.geglu_mlp_down_dgeglu_.default, (dy, wd2, gu, "none", False))
 
 
-def test_compile_fullgraph(geglu, fused):
+@pytest.mark.parametrize("fused_backward", [False, True])
+def test_compile_fullgraph(geglu, fused, fused_backward, monkeypatch):
     """No graph break through forward and backward (fullgraph=True); results equal the eager call of the same op."""
+    monkeypatch.setattr(fused, "FUSED_BACKWARD", fused_backward)
     torch._dynamo.reset()
     x, wg, wu, wd = _data(32, 32, 48, torch.bfloat16)
     backend = "inductor" if HAS_CUDA else "aot_eager"
@@ -218,12 +274,14 @@ GPU_SHAPES = [(8192, 2304, 9216), (8192, 4096, 14336), (16, 4096, 14336)]
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fused_backward", [False, True])
 @pytest.mark.parametrize("approximate", APPROX)
 @pytest.mark.parametrize("M,D,H", GPU_SHAPES)
-def test_gpu_real_shapes_vs_fp32_reference(geglu, fm, M, D, H, approximate):
+def test_gpu_real_shapes_vs_fp32_reference(geglu, fm, M, D, H, approximate, fused_backward, monkeypatch):
     """bf16 at the benchmark shapes (the last one is decode: the cuBLAS + pointwise fallback): forward and every
     gradient no worse than eager bf16 (cuBLAS) against the fp32 reference (TF32 off), and the epilogue equal to
-    the pointwise GeGLU of the kernel's own pre-activations."""
+    the pointwise GeGLU of the kernel's own pre-activations. fused_backward: the dGeGLU in dY @ Wd's epilogue."""
+    monkeypatch.setattr(fm, "FUSED_BACKWARD", fused_backward)
     torch.backends.cuda.matmul.allow_tf32 = False
     x, wg, wu, wd = _data(M, D, H, torch.bfloat16, device="cuda")
     ours = _run(fm.fused_geglu_mlp_forward, x, wg, wu, wd, approximate)
@@ -231,7 +289,8 @@ def test_gpu_real_shapes_vs_fp32_reference(geglu, fm, M, D, H, approximate):
     ref32 = _run(_eager, x.float(), wg.float(), wu.float(), wd.float(), approximate)
     for name, o, e, r in zip(["y", "dx", "dw_gate", "dw_up", "dw_down"], ours, eager, ref32):
         scale = r.double().norm().item()
-        print(f"{M}x{D}x{H} {approximate} {name}: ours {_err(o, r) / scale:.3e} eager {_err(e, r) / scale:.3e}")
+        print(f"{M}x{D}x{H} {approximate} fused_bwd={fused_backward} {name}: ours {_err(o, r) / scale:.3e} "
+              f"eager {_err(e, r) / scale:.3e}")
     _assert_no_worse(ours, eager, ref32, 1.02, f"{M}x{D}x{H} {approximate}")
     del ours, eager, ref32
     with torch.no_grad():

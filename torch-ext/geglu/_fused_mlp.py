@@ -34,6 +34,10 @@ from ._ops import add_op_namespace_prefix
 # by reading the weights, which both paths do once).
 DECODE_MAX_M = 64
 
+# Backward with the dGeGLU fused into the epilogue of dY @ Wd (Triton), which also recomputes h for dW_down, so the
+# forward keeps only [g | u] (2E instead of 3E held). Off until measured against cuBLAS + the pointwise kernel.
+FUSED_BACKWARD = False
+
 _kernels_mod = None
 
 
@@ -128,7 +132,7 @@ _EMPTY = (0,)
 
 @torch.library.custom_op(add_op_namespace_prefix("geglu_mlp_fused"), mutates_args=())
 def geglu_mlp_fused(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Optional[Tensor], approximate: str,
-                    save_for_backward: bool) -> Tuple[Tensor, Tensor, Tensor]:
+                    save_for_backward: bool, fused_backward: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
     _check(x, w_gate, w_up, w_down, approximate)
     x2 = _rows2d(x)
     h, gu = _gate_up(x2, w_gate, w_up, approximate, save_for_backward)
@@ -138,11 +142,12 @@ def geglu_mlp_fused(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Optional[Te
     if w_down is None:
         return h.view(x.shape[:-1] + (H,)), gu_out, x.new_empty(_EMPTY)
     y = h @ w_down.t()
-    return y.view(x.shape[:-1] + (w_down.shape[0],)), gu_out, (h if save_for_backward else x.new_empty(_EMPTY))
+    keep_h = save_for_backward and not fused_backward  # the fused backward recomputes h from [g | u]
+    return y.view(x.shape[:-1] + (w_down.shape[0],)), gu_out, (h if keep_h else x.new_empty(_EMPTY))
 
 
 @geglu_mlp_fused.register_fake
-def _(x, w_gate, w_up, w_down, approximate, save_for_backward):
+def _(x, w_gate, w_up, w_down, approximate, save_for_backward, fused_backward=False):
     _check(x, w_gate, w_up, w_down, approximate)
     H = w_gate.shape[0]
     M = 1
@@ -151,15 +156,54 @@ def _(x, w_gate, w_up, w_down, approximate, save_for_backward):
     gu = x.new_empty((M, 2 * H)) if save_for_backward else x.new_empty(_EMPTY)
     if w_down is None:
         return x.new_empty(x.shape[:-1] + (H,)), gu, x.new_empty(_EMPTY)
-    h = x.new_empty((M, H)) if save_for_backward else x.new_empty(_EMPTY)
+    h = x.new_empty((M, H)) if save_for_backward and not fused_backward else x.new_empty(_EMPTY)
     return x.new_empty(x.shape[:-1] + (w_down.shape[0],)), gu, h
+
+
+@torch.library.custom_op(add_op_namespace_prefix("geglu_mlp_down_dgeglu_"), mutates_args=("gu",))
+def geglu_mlp_down_dgeglu_(dy: Tensor, w_down: Tensor, gu: Tensor, approximate: str, write_h: bool) -> Tensor:
+    """Backward of the GeGLU + down projection, in place: gu = [g | u] [M, 2H] becomes [d_g | d_u] for
+    d_h = dy @ w_down (dy [M, D_out], w_down [D_out, H]); returns h = geglu(g, u) [M, H] when ``write_h`` (for
+    dW_down), else a 0-element tensor. The fused Triton kernel where the forward's would run, else cuBLAS + the
+    pointwise backward; the rounding is eager's either way."""
+    _check_down_dgeglu(dy, w_down, gu, approximate)
+    H = w_down.shape[1]
+    if _fused_kernel_applies(dy):
+        h = _kernels().down_dgeglu(dy, _unit_last(w_down), gu, approximate == "tanh", write_h)
+        return h if write_h else dy.new_empty(_EMPTY)
+    g, u = gu[:, :H], gu[:, H:]
+    h = dy.new_empty(_EMPTY)
+    if write_h:
+        h = torch.empty((dy.shape[0], H), dtype=dy.dtype, device=dy.device)
+        _pw._forward_into(h, g, u, approximate)  # before g, u are overwritten
+    _pw._backward_into(g, u, dy @ w_down, g, u, approximate)
+    return h
+
+
+@geglu_mlp_down_dgeglu_.register_fake
+def _(dy, w_down, gu, approximate, write_h):
+    _check_down_dgeglu(dy, w_down, gu, approximate)
+    return dy.new_empty((dy.shape[0], w_down.shape[1])) if write_h else dy.new_empty(_EMPTY)
+
+
+def _check_down_dgeglu(dy: Tensor, w_down: Tensor, gu: Tensor, approximate: str) -> None:
+    check_approximate(approximate)
+    if dy.dim() != 2 or w_down.dim() != 2 or gu.dim() != 2:
+        raise ValueError("geglu_mlp_down_dgeglu_: dy [M, D], w_down [D, H] and gu [M, 2H] must be 2-D.")
+    if w_down.shape[0] != dy.shape[1] or gu.shape != (dy.shape[0], 2 * w_down.shape[1]):
+        raise ValueError(f"geglu_mlp_down_dgeglu_: shapes dy {tuple(dy.shape)}, w_down {tuple(w_down.shape)}, "
+                         f"gu {tuple(gu.shape)} do not fit dy [M, D], w_down [D, H], gu [M, 2H].")
+    if not (dy.dtype == w_down.dtype == gu.dtype) or not (dy.device == w_down.device == gu.device):
+        raise ValueError("geglu_mlp_down_dgeglu_: dy, w_down and gu need one dtype and device.")
+    if gu.stride(-1) != 1 or dy.stride(-1) != 1:
+        raise ValueError("geglu_mlp_down_dgeglu_: dy and gu need a unit last-dim stride.")
 
 
 # --- autograd -------------------------------------------------------------------------------------------------
 
 
 def _setup(ctx, inputs, output):
-    x, w_gate, w_up, w_down, approximate, save = inputs
+    x, w_gate, w_up, w_down, approximate, save, fused_backward = inputs
     y, gu, h = output
     if not save:
         raise RuntimeError("geglu_mlp_fused: differentiating needs save_for_backward=True (the forward must keep "
@@ -169,30 +213,41 @@ def _setup(ctx, inputs, output):
     ctx.save_for_backward(x, w_gate, w_up, w_down, gu, h)
     ctx.approximate = approximate
     ctx.has_down = w_down is not None
+    ctx.fused_backward = fused_backward
 
 
 def _backward(ctx, dy, _d_gu, _d_h):
     x, w_gate, w_up, w_down, gu, h = ctx.saved_tensors
     need_x, need_wg, need_wu, need_wd = ctx.needs_input_grad[:4]
     if dy is None:
-        return None, None, None, None, None, None
+        return None, None, None, None, None, None, None
     H, D = w_gate.shape
     dy2 = _rows2d(dy)
     dx = dwg = dwu = dwd = None
-    if ctx.has_down:
-        d_h = dy2 @ w_down  # [M, H]
+    eager = type(gu) is Tensor  # traced (torch.compile / AOTAutograd: functional or fake tensors) otherwise
+    if ctx.has_down and ctx.fused_backward:
+        # d_h = dY @ Wd with the dGeGLU in its epilogue: [d_g | d_u] written over gu, h recomputed for dW_down.
+        d_gu = gu if eager else gu.clone()  # traced: gu may also be a graph output (see below)
+        h_b = geglu_mlp_down_dgeglu_(dy2, w_down, d_gu, ctx.approximate, bool(need_wd))
         if need_wd:
-            dwd = dy2.t() @ h  # [D_out, H]
+            dwd = dy2.t() @ h_b  # [D_out, H]
+        del h_b
     else:
-        d_h = dy2
-    if type(gu) is Tensor:
-        # Eager: [d_g | d_u] over gu, in place (nothing else reads gu): no second [M, 2H] buffer.
-        _pw.geglu_packed_backward_(d_h, gu, ctx.approximate, True)
-        d_gu = gu
-    else:
-        # Traced (torch.compile / AOTAutograd: functional or fake tensors): out of place, since gu is also a
-        # forward output that the graph may return; the compiler may re-inplace it.
-        d_gu = _pw.geglu_packed_backward(d_h, gu, ctx.approximate, True)
+        if ctx.has_down:
+            d_h = dy2 @ w_down  # [M, H]
+            if need_wd:
+                dwd = dy2.t() @ h  # [D_out, H]
+        else:
+            d_h = dy2
+        if eager:
+            # [d_g | d_u] over gu, in place (nothing else reads gu): no second [M, 2H] buffer.
+            _pw.geglu_packed_backward_(d_h, gu, ctx.approximate, True)
+            d_gu = gu
+        else:
+            # Out of place: gu is also a forward output, which the traced graph may return; the compiler may
+            # re-inplace it.
+            d_gu = _pw.geglu_packed_backward(d_h, gu, ctx.approximate, True)
+        del d_h
     d_g, d_u = d_gu[:, :H], d_gu[:, H:]
     x2 = _rows2d(x)
     if need_x:
@@ -202,7 +257,7 @@ def _backward(ctx, dy, _d_gu, _d_h):
     if need_wg or need_wu:
         dw = d_gu.t() @ x2  # [2H, D]: dW_gate and dW_up in one GEMM
         dwg, dwu = dw[:H], dw[H:]
-    return dx, dwg, dwu, dwd, None, None
+    return dx, dwg, dwu, dwd, None, None, None
 
 
 geglu_mlp_fused.register_autograd(_backward, setup_context=_setup)
@@ -219,8 +274,9 @@ def fused_geglu_mlp_forward(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Opt
     x: [..., D]; w_gate, w_up: [H, D]; w_down: [D_out, H] (nn.Linear weights, no bias); one dtype and device.
     Saves the packed pre-activations for the backward only when a gradient will be needed."""
     save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w_gate, w_up, w_down))
-    y, _, _ = geglu_mlp_fused(x, w_gate, w_up, w_down, approximate, save)
+    y, _, _ = geglu_mlp_fused(x, w_gate, w_up, w_down, approximate, save, FUSED_BACKWARD and w_down is not None)
     return y
 
 
-__all__ = ["fused_geglu_mlp_forward", "geglu_mlp_fused", "use_fused", "DECODE_MAX_M"]
+__all__ = ["fused_geglu_mlp_forward", "geglu_mlp_fused", "geglu_mlp_down_dgeglu_", "use_fused", "DECODE_MAX_M",
+           "FUSED_BACKWARD"]

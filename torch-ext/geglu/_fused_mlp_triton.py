@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton import INTERPRET, K_ALPHA, K_BETA_TANH, K_KAPPA, _gelu, _round
+from ._triton import INTERPRET, K_3KAPPA, K_ALPHA, K_BETA_ERF, K_BETA_TANH, K_KAPPA, _gelu, _gelu_grad, _round
 
 try:  # host-side TMA descriptors (triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -135,6 +135,140 @@ def _gate_up_geglu_kernel(x_ptr, wg_ptr, wu_ptr, out_ptr, g_ptr, u_ptr, M, N, K,
                       K_BETA_TANH, K_KAPPA, K_ALPHA)
 
 
+# --- backward: dGeGLU in the epilogue of dY @ Wd ------------------------------------------------------------------
+
+
+@triton.jit
+def _dgeglu_part(dh_acc, off_m, off_n, g_ptr, u_ptr, h_ptr, M, N, stride_g, stride_u, stride_h,
+                 T: tl.constexpr, TANH: tl.constexpr, WRITE_H: tl.constexpr, TMA: tl.constexpr,
+                 BLOCK_M: tl.constexpr, PART_N: tl.constexpr,
+                 K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr,
+                 K_BETA_ERF: tl.constexpr, K_3KAPPA: tl.constexpr):
+    """Epilogue on a [BLOCK_M, PART_N] column slice of the d_h accumulator: d_h as eager's GEMM stores it, then our
+    pointwise backward (eager's mul/gelu_backward rounding), written over [g | u] in place (this program is the
+    only reader and writer of these positions), and h = geglu(g, u) recomputed for dW_down."""
+    dh = _round(dh_acc, T).to(tl.float32)
+    rows = off_m + tl.arange(0, BLOCK_M)
+    cols = off_n + tl.arange(0, PART_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    if TMA:
+        g = g_ptr.load([off_m, off_n])
+        u = u_ptr.load([off_m, off_n])
+    else:
+        g = tl.load(g_ptr + r64 * stride_g + cols[None, :], mask=mask, other=0.0)
+        u = tl.load(u_ptr + r64 * stride_u + cols[None, :], mask=mask, other=0.0)
+    x = g.to(tl.float32)
+    uf = u.to(tl.float32)
+    h = _round(_gelu(x, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA), T).to(tl.float32)
+    d_up = _round(dh * h, T)
+    d_hg = _round(dh * uf, T).to(tl.float32)
+    d_gate = _round(d_hg * _gelu_grad(x, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA), T)
+    if TMA:
+        g_ptr.store([off_m, off_n], d_gate)
+        u_ptr.store([off_m, off_n], d_up)
+        if WRITE_H:
+            h_ptr.store([off_m, off_n], _round(h * uf, T))
+    else:
+        tl.store(g_ptr + r64 * stride_g + cols[None, :], d_gate, mask=mask)
+        tl.store(u_ptr + r64 * stride_u + cols[None, :], d_up, mask=mask)
+        if WRITE_H:
+            tl.store(h_ptr + r64 * stride_h + cols[None, :], _round(h * uf, T), mask=mask)
+
+
+@triton.jit
+def _halves(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Columns [0, BLOCK_N/2) and [BLOCK_N/2, BLOCK_N) of acc."""
+    return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def _down_dgeglu_tile(dy_ptr, wd_ptr, g_ptr, u_ptr, h_ptr, M, N, K,
+                      stride_dy, stride_wd, stride_g, stride_u, stride_h, pid_m, pid_n,
+                      TANH: tl.constexpr, WRITE_H: tl.constexpr, TMA: tl.constexpr, DOT_F32: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EPI_SPLIT: tl.constexpr,
+                      K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr,
+                      K_BETA_ERF: tl.constexpr, K_3KAPPA: tl.constexpr):
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if TMA:
+        T = dy_ptr.dtype
+    else:
+        T = dy_ptr.dtype.element_ty
+        rows = off_m + tl.arange(0, BLOCK_M)
+        cols = off_n + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        a_ptrs = dy_ptr + rows.to(tl.int64)[:, None] * stride_dy + ks[None, :]
+        b_ptrs = wd_ptr + ks.to(tl.int64)[:, None] * stride_wd + cols[None, :]
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if TMA:
+            a = dy_ptr.load([off_m, k * BLOCK_K])
+            b = wd_ptr.load([k * BLOCK_K, off_n])
+        else:
+            k_ok = (k * BLOCK_K + ks) < K
+            a = tl.load(a_ptrs, mask=(rows < M)[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & (cols < N)[None, :], other=0.0)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K * stride_wd
+        if DOT_F32:
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    # The epilogue in EPI_SPLIT column slices: fewer live registers (the dGeGLU needs ~8 temporaries an element).
+    if EPI_SPLIT == 1:
+        _dgeglu_part(acc, off_m, off_n, g_ptr, u_ptr, h_ptr, M, N, stride_g, stride_u, stride_h, T, TANH,
+                     WRITE_H, TMA, BLOCK_M, BLOCK_N, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA)
+    elif EPI_SPLIT == 2:
+        a0, a1 = _halves(acc, BLOCK_M, BLOCK_N)
+        _dgeglu_part(a0, off_m, off_n, g_ptr, u_ptr, h_ptr, M, N, stride_g, stride_u, stride_h, T, TANH,
+                     WRITE_H, TMA, BLOCK_M, BLOCK_N // 2, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA)
+        _dgeglu_part(a1, off_m, off_n + BLOCK_N // 2, g_ptr, u_ptr, h_ptr, M, N, stride_g, stride_u, stride_h, T,
+                     TANH, WRITE_H, TMA, BLOCK_M, BLOCK_N // 2, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF,
+                     K_3KAPPA)
+    else:
+        tl.static_assert(EPI_SPLIT == 4, "EPI_SPLIT must be 1, 2 or 4")
+        a0, a1 = _halves(acc, BLOCK_M, BLOCK_N)
+        a00, a01 = _halves(a0, BLOCK_M, BLOCK_N // 2)
+        a10, a11 = _halves(a1, BLOCK_M, BLOCK_N // 2)
+        Q: tl.constexpr = BLOCK_N // 4
+        _dgeglu_part(a00, off_m, off_n, g_ptr, u_ptr, h_ptr, M, N, stride_g, stride_u, stride_h, T, TANH,
+                     WRITE_H, TMA, BLOCK_M, Q, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA)
+        _dgeglu_part(a01, off_m, off_n + Q, g_ptr, u_ptr, h_ptr, M, N, stride_g, stride_u, stride_h, T, TANH,
+                     WRITE_H, TMA, BLOCK_M, Q, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA)
+        _dgeglu_part(a10, off_m, off_n + 2 * Q, g_ptr, u_ptr, h_ptr, M, N, stride_g, stride_u, stride_h, T, TANH,
+                     WRITE_H, TMA, BLOCK_M, Q, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA)
+        _dgeglu_part(a11, off_m, off_n + 3 * Q, g_ptr, u_ptr, h_ptr, M, N, stride_g, stride_u, stride_h, T, TANH,
+                     WRITE_H, TMA, BLOCK_M, Q, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA)
+
+
+@triton.jit
+def _down_dgeglu_kernel(dy_ptr, wd_ptr, g_ptr, u_ptr, h_ptr, M, N, K,
+                        stride_dy, stride_wd, stride_g, stride_u, stride_h,
+                        TANH: tl.constexpr, WRITE_H: tl.constexpr, TMA: tl.constexpr, DOT_F32: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
+                        WARP_SPECIALIZE: tl.constexpr, EPI_SPLIT: tl.constexpr,
+                        K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr,
+                        K_BETA_ERF: tl.constexpr, K_3KAPPA: tl.constexpr):
+    """[d_g | d_u] over [g | u] (and h = geglu(g, u) when WRITE_H) from d_h = dY @ Wd: dY [M, K=D], Wd [D, N=H]."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    if PERSISTENT:
+        for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=FLATTEN,
+                                warp_specialize=WARP_SPECIALIZE):
+            pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+            _down_dgeglu_tile(dy_ptr, wd_ptr, g_ptr, u_ptr, h_ptr, M, N, K, stride_dy, stride_wd, stride_g,
+                              stride_u, stride_h, pid_m, pid_n, TANH, WRITE_H, TMA, DOT_F32, BLOCK_M, BLOCK_N,
+                              BLOCK_K, EPI_SPLIT, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA)
+    else:
+        pid_m, pid_n = _tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+        _down_dgeglu_tile(dy_ptr, wd_ptr, g_ptr, u_ptr, h_ptr, M, N, K, stride_dy, stride_wd, stride_g,
+                          stride_u, stride_h, pid_m, pid_n, TANH, WRITE_H, TMA, DOT_F32, BLOCK_M, BLOCK_N,
+                          BLOCK_K, EPI_SPLIT, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA)
+
+
+
 # --- configs ------------------------------------------------------------------------------------------------------
 
 
@@ -151,6 +285,8 @@ class Config(NamedTuple):
     #                                on the K loop (a TMA producer warp and wgmma consumer warpgroups)
     tma: bool = True  # use TMA descriptors where the hardware and the strides allow it
     programs_per_sm: int = 1  # persistent grid size = programs_per_sm * SMs (2 for tiles that fit twice on an SM)
+    epi_split: int = 1  # backward kernel: epilogue in 1, 2 or 4 column slices (register pressure)
+    maxnreg: Optional[int] = None  # register cap (e.g. 128 at 8 warps: two programs per SM)
 
     def label(self) -> str:
         s = f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages} g{self.group_m}"
@@ -159,6 +295,10 @@ class Config(NamedTuple):
                 " flat" if self.flatten else "")
         if self.warp_specialize:
             s += " ws"
+        if self.epi_split > 1:
+            s += f" epi/{self.epi_split}"
+        if self.maxnreg:
+            s += f" r{self.maxnreg}"
         if not self.tma:
             s += " ptr"
         return s
@@ -173,6 +313,7 @@ class Config(NamedTuple):
 LARGE = Config(128, 128, 64, 8, 8, 3, persistent=True)
 MEDIUM = Config(64, 128, 64, 8, 4, 4)  # 65 <= M <= 256: one warpgroup, m64 wgmma (not serialized; 173 registers)
 INTERPRETER = Config(16, 16, 16, 2, 1, 1)  # tiny tiles: several tiles and K steps at test sizes
+INTERPRETER_BWD = Config(16, 32, 16, 2, 1, 1, epi_split=2)  # exercises the epilogue split
 
 # Measured choices, (M bucket, D, H, dtype, save) -> Config; filled from benchmarks/bench_fused_mlp.py runs.
 TUNED: dict = {}
@@ -195,6 +336,23 @@ SWEEP = [
 ]
 
 
+# Backward (dGeGLU in the epilogue of dY @ Wd): one accumulator, so the tile can be wider.
+BWD_LARGE = Config(128, 128, 64, 8, 8, 3, persistent=True, epi_split=4)
+BWD_MEDIUM = Config(64, 128, 64, 8, 4, 4, epi_split=4)
+BWD_TUNED: dict = {}  # (M bucket, D, H, dtype, write_h) -> Config
+BWD_SWEEP = [
+    BWD_LARGE,
+    Config(128, 128, 64, 8, 8, 3, persistent=True, epi_split=2),
+    Config(128, 128, 64, 8, 8, 4, persistent=True, epi_split=4),
+    Config(128, 256, 64, 8, 8, 3, persistent=True, epi_split=4),
+    Config(128, 128, 64, 8, 4, 4, persistent=True, epi_split=4),
+    Config(128, 128, 64, 8, 8, 3, epi_split=4),
+    Config(128, 128, 64, 8, 8, 3, epi_split=4, maxnreg=128),  # 138 registers uncapped: capped, two per SM
+    Config(128, 256, 64, 8, 8, 3, epi_split=4),
+    Config(128, 128, 64, 8, 8, 3, persistent=True),  # no epilogue split (reference: spills)
+]
+
+
 def m_bucket(M: int) -> int:
     """Power-of-two bucket of M (capped at 8192), the only M dependence of the config choice."""
     return min(1 << max(M - 1, 1).bit_length(), 8192)
@@ -207,6 +365,15 @@ def choose_config(M: int, D: int, H: int, dtype: torch.dtype, save: bool) -> Con
     if cfg is not None:
         return cfg
     return MEDIUM if M <= 256 else LARGE
+
+
+def choose_bwd_config(M: int, D: int, H: int, dtype: torch.dtype, write_h: bool) -> Config:
+    if INTERPRET:
+        return INTERPRETER_BWD
+    cfg = BWD_TUNED.get((m_bucket(M), D, H, dtype, write_h))
+    if cfg is not None:
+        return cfg
+    return BWD_MEDIUM if M <= 256 else BWD_LARGE
 
 
 # --- launcher -----------------------------------------------------------------------------------------------------
@@ -286,7 +453,49 @@ def _launch(args, M, N, K, x, w_gate, w_up, out, g_view, u_view, tanh, save, use
             PERSISTENT=cfg.persistent, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
             K_BETA_TANH=K_BETA_TANH, K_KAPPA=K_KAPPA, K_ALPHA=K_ALPHA,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
+            **_maxnreg(cfg),
         )
+
+
+def down_dgeglu(dy: torch.Tensor, w_down: torch.Tensor, gu: torch.Tensor, tanh: bool, write_h: bool,
+                config: Optional[Config] = None) -> Optional[torch.Tensor]:
+    """In place: gu = [g | u] [M, 2H] becomes [d_g | d_u] for d_h = dy @ w_down (dy [M, D], w_down [D, H]); with
+    ``write_h`` also returns h = geglu(g, u) [M, H] (for dW_down), recomputed from g, u."""
+    M, K = dy.shape
+    N = w_down.shape[1]
+    h = torch.empty((M, N), dtype=dy.dtype, device=dy.device) if write_h else None
+    if M == 0 or N == 0:
+        return h
+    cfg = config or choose_bwd_config(M, K, N, dy.dtype, write_h)
+    g_view, u_view = gu[:, :N], gu[:, N:]
+    h_arg = h if write_h else g_view
+    tensors = (dy, w_down, g_view, u_view, h_arg)
+    use_tma = cfg.tma and tma_supported(dy.device) and all(_aligned(t) for t in tensors)
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    pn = bn // cfg.epi_split  # the epilogue's column slice
+    if use_tma:
+        args = [TensorDescriptor(t, list(t.shape), list(t.stride()), blk) for t, blk in
+                ((dy, [bm, bk]), (w_down, [bk, bn]), (g_view, [bm, pn]), (u_view, [bm, pn]), (h_arg, [bm, pn]))]
+    else:
+        args = list(tensors)
+    global last_compiled
+    num_tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    grid = (min(num_tiles, cfg.programs_per_sm * _sm_count(dy.device)) if cfg.persistent else num_tiles,)
+    with torch.cuda.device(dy.device) if dy.device.type == "cuda" else _nullcontext():
+        last_compiled = _down_dgeglu_kernel[grid](
+            *args, M, N, K, dy.stride(0), w_down.stride(0), g_view.stride(0), u_view.stride(0), h_arg.stride(0),
+            TANH=tanh, WRITE_H=write_h, TMA=use_tma, DOT_F32=INTERPRET, EPI_SPLIT=cfg.epi_split,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
+            PERSISTENT=cfg.persistent, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
+            K_BETA_TANH=K_BETA_TANH, K_KAPPA=K_KAPPA, K_ALPHA=K_ALPHA, K_BETA_ERF=K_BETA_ERF, K_3KAPPA=K_3KAPPA,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
+            **_maxnreg(cfg),
+        )
+    return h
+
+
+def _maxnreg(cfg: Config) -> dict:
+    return {"maxnreg": cfg.maxnreg} if cfg.maxnreg and not INTERPRET else {}
 
 
 class _nullcontext:
