@@ -403,12 +403,11 @@ def main(argv=None) -> int:
     for M, D, H in shapes:
         result["shapes"].append(run_shape(geglu, fm, kt, M, D, H, args.approximate, args.quick,
                                           lambda *a: print(*a, flush=True)))
-    md = to_markdown(result)
-    print("\n" + md)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "fused_mlp.md").write_text(md)
-        (args.out / "fused_mlp.json").write_text(json.dumps(result, indent=1, default=str))
+        if args.out:  # after every shape: a run cut short by a time limit still leaves its finished shapes
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "fused_mlp.md").write_text(to_markdown(result))
+            (args.out / "fused_mlp.json").write_text(json.dumps(result, indent=1, default=str))
+    print("\n" + to_markdown(result))
     return 0
 
 
