@@ -5,19 +5,24 @@ Public pieces (not wired into ``layers.py`` yet; see docs/fused-mlp.md):
 
 * ``fused_geglu_mlp_forward(x, w_gate, w_up, w_down=None, approximate="none")``: the MLP (or, without ``w_down``,
   only the GeGLU hidden state ``h``), differentiable in x and every weight; works under torch.compile(fullgraph).
-* the op ``geglu_mlp_fused(x, w_gate, w_up, w_down, approximate, save_for_backward) -> (y, gu, h)`` in the build's
-  namespace (``add_op_namespace_prefix``), with a fake implementation and autograd. ``gu`` ([M, 2H], the rounded
-  gate/up pre-activations) and ``h`` (the GeGLU output, kept for dW_down) are written only with
-  ``save_for_backward=True`` (else 0-element tensors); they are internal: the backward overwrites ``gu``.
+* the op ``geglu_mlp_fused(x, w_gate, w_up, w_down, approximate, save_for_backward, fused_backward=False)
+  -> (y, gu, h)`` in the build's namespace (``add_op_namespace_prefix``), with a fake implementation and autograd.
+  ``gu`` ([M, 2H], the rounded gate/up pre-activations) and ``h`` (the GeGLU output, kept for dW_down unless
+  ``fused_backward``) are written only with ``save_for_backward=True`` (else 0-element tensors); they are
+  internal: the backward overwrites ``gu``.
+* the op ``geglu_mlp_down_dgeglu_(dy, w_down, gu, approximate, write_h) -> h``: the fused backward step (in place).
 * ``use_fused(M, D, H, dtype, device)``: the rule for when the caller should take this path (False until measured).
 
 Routing inside the op: the fused Triton kernel runs for fp16/bf16 CUDA tensors with more than ``DECODE_MAX_M`` rows
 (and for CPU tensors under the Triton interpreter with the 'triton' backend: the tests); everything else (decode
 sizes, fp32, CPU) runs cuBLAS / torch matmuls plus our pointwise GeGLU op, with identical rounding.
 
-Backward (cuBLAS GEMMs + our pointwise dGeGLU):
-  d_h = dY @ Wd, dWd = dY^T @ h;  [d_g | d_u] written over gu by the in-place packed dGeGLU;
-  dX = d_g @ Wg + d_u @ Wu (one GEMM, then one accumulating GEMM);  [dWg; dWu] = [d_g | d_u]^T @ x (one GEMM, N=2H).
+Backward:
+  default: d_h = dY @ Wd, dWd = dY^T @ h (cuBLAS); [d_g | d_u] written over gu by the in-place packed dGeGLU;
+  FUSED_BACKWARD (fused_backward=True): one Triton GEMM dY @ Wd whose epilogue writes [d_g | d_u] over gu and
+    recomputes h (d_h never reaches memory; the forward keeps no h), then dWd = dY^T @ h (cuBLAS);
+  then dX = d_g @ Wg + d_u @ Wu (one GEMM, then one accumulating GEMM); [dWg; dWu] = [d_g | d_u]^T @ x (one GEMM,
+  N=2H).
 """
 
 from typing import Optional, Tuple
