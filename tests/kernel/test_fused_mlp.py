@@ -209,6 +209,25 @@ def test_decode_fallback_matches_fused_epilogue(geglu, fm):
     assert torch.equal(gu[:, :48], F.linear(x, wg)) and torch.equal(gu[:, 48:], F.linear(x, wu))
 
 
+def test_expanded_gradient(fused):
+    """A gradient expanded along rows (stride 0, from y.sum(0)) is made contiguous before the kernels see it (TMA
+    descriptors need positive strides: only the GPU run can fail without it; the interpreter accepts stride 0)."""
+    x, wg, wu, wd = _data(24, 32, 48, torch.bfloat16)
+    for fused_backward in (False, True):
+        fused.FUSED_BACKWARD = fused_backward
+        try:
+            w = torch.randn(32).to(torch.bfloat16).to(DEVICE)
+            leaves = [t.clone().requires_grad_() for t in (x, wg, wu, wd)]
+            y = fused.fused_geglu_mlp_forward(*leaves, "tanh")
+            (y.sum(0) * w).sum().backward()  # dy = w expanded along rows: strides (0, 1)
+            ref = [t.clone().requires_grad_() for t in (x, wg, wu, wd)]
+            y = fused.fused_geglu_mlp_forward(*ref, "tanh")
+            y.backward(w.expand(y.shape).contiguous())
+            assert all(torch.equal(a.grad, b.grad) for a, b in zip(leaves, ref))
+        finally:
+            fused.FUSED_BACKWARD = False
+
+
 def test_fp32_uses_full_precision_fallback(geglu, fm):
     x, wg, wu, wd = _data(80, 32, 48, torch.float32)
     y = fm.fused_geglu_mlp_forward(x, wg, wu, wd, "none")

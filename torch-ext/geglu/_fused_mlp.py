@@ -91,8 +91,12 @@ def _check(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Optional[Tensor], ap
 
 
 def _rows2d(t: Tensor) -> Tensor:
+    """[..., n] as 2-D rows with a unit last-dim stride and distinct rows (gradients can arrive expanded, with
+    stride 0 along rows or features, which neither TMA nor the in-place kernels accept)."""
     t = t.reshape(-1, t.shape[-1])
-    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+    if (t.stride(-1) != 1 and t.shape[-1] > 1) or (t.shape[0] > 1 and t.stride(0) < t.shape[-1]):
+        t = t.contiguous()
+    return t
 
 
 def _unit_last(w: Tensor) -> Tensor:
