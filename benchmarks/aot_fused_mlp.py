@@ -1,0 +1,165 @@
+"""Compile the fused gate/up GEMM for sm_90a without a GPU and report what ptxas made of each tile config:
+registers, spills, shared memory, wgmma count, and whether ptxas serialized the wgmma pipeline (warnings C7510-
+C7520, e.g. C7515 "non wgmma instructions defining accumulator registers", C7511 "insufficient register
+resources"): a serialized config waits for every wgmma and cannot approach cuBLAS, so it is caught here for free
+instead of in device time.
+
+Uses the Triton on sys.path (install the device's version, e.g. 3.6.0, into a folder first:
+``pip install --no-deps --target /tmp/tr36 triton==3.6.0`` and pass ``--triton-path /tmp/tr36``), its bundled ptxas
+and cuobjdump, and a stand-in driver that only names the target (cuda sm_90); nothing is launched.
+
+    python benchmarks/aot_fused_mlp.py [--triton-path DIR] [--save] [--kernel fwd|bwd|all] [--config LABEL]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--triton-path", default=None, help="folder holding the triton package to compile with")
+    ap.add_argument("--shape", default="8192x4096x14336", help="MxDxH (only divisibility matters)")
+    ap.add_argument("--config", default=None, help="only the config with this label")
+    ap.add_argument("--kernel", default="all", choices=["fwd", "bwd", "all"],
+                    help="fwd: gate/up GEMM + GeGLU; bwd: dY @ Wd + dGeGLU (+ h)")
+    ap.add_argument("--save", action="store_true", help="also the training variant (writes [g|u])")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--approximate", default="tanh", choices=["tanh", "none"])
+    ap.add_argument("--out", type=Path, default=None, help="keep PTX / SASS here")
+    args = ap.parse_args(argv)
+    if args.triton_path:
+        sys.path.insert(0, args.triton_path)
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+
+    class _TargetOnly:  # what JITFunction.warmup asks of the driver; nothing runs
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_active_torch_device(self):
+            import torch
+
+            return torch.device("cpu")
+
+        def is_active(self):
+            return True
+
+    driver.set_active(_TargetOnly())
+    import torch
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    sys.path.insert(0, str(ROOT))
+    from kerneltools.build import build
+
+    bdir = Path(tempfile.mkdtemp(prefix="geglu-aot-"))
+    build(ROOT, bdir, variants=["cuda"], log=lambda *a: None)
+    variant = bdir / "torch-cuda"
+    name = json.loads((variant / "metadata.json").read_text())["id"]
+    spec = importlib.util.spec_from_file_location(name, variant / "__init__.py",
+                                                  submodule_search_locations=[str(variant)])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    kt = importlib.import_module(name + "._fused_mlp_triton")
+    bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    out = args.out or Path(tempfile.mkdtemp(prefix="geglu-aot-out-"))
+    out.mkdir(parents=True, exist_ok=True)
+
+    M, D, H = (int(v) for v in args.shape.split("x"))
+    bf = getattr(torch, args.dtype)
+    x, wg, wu = torch.empty(M, D, dtype=bf), torch.empty(H, D, dtype=bf), torch.empty(H, D, dtype=bf)
+    h, gu = torch.empty(M, H, dtype=bf), torch.empty(M, 2 * H, dtype=bf)
+    print(f"triton {triton.__version__}, sm_90a, {M}x{D}x{H} {args.dtype} {args.approximate}")
+    dy, wd = torch.empty(M, D, dtype=bf), torch.empty(D, H, dtype=bf)
+
+    def desc(t, blk):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), blk)
+
+    def compile_fwd(cfg, save):
+        g_view, u_view = (gu[:, :H], gu[:, H:]) if save else (h, h)
+        bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+        tensors = ((x, [bm, bk]), (wg, [bn, bk]), (wu, [bn, bk]), (h, [bm, bn]), (g_view, [bm, bn]),
+                   (u_view, [bm, bn]))
+        kargs = [desc(t, b) if cfg.tma else t for t, b in tensors]
+        return kt._gate_up_geglu_kernel.warmup(
+            *kargs, M, H, D, x.stride(0), wg.stride(0), wu.stride(0), h.stride(0), g_view.stride(0),
+            u_view.stride(0), TANH=args.approximate == "tanh", SAVE=save, TMA=cfg.tma, DOT_F32=False,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
+            PERSISTENT=cfg.persistent, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
+            K_BETA_TANH=kt.K_BETA_TANH, K_KAPPA=kt.K_KAPPA, K_ALPHA=kt.K_ALPHA,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, **kt._maxnreg(cfg), grid=(1,))
+
+    def compile_bwd(cfg, write_h):
+        g_view, u_view = gu[:, :H], gu[:, H:]
+        bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+        pn = bn // cfg.epi_split
+        tensors = ((dy, [bm, bk]), (wd, [bk, bn]), (g_view, [bm, pn]), (u_view, [bm, pn]), (h, [bm, pn]))
+        kargs = [desc(t, b) if cfg.tma else t for t, b in tensors]
+        return kt._down_dgeglu_kernel.warmup(
+            *kargs, M, H, D, dy.stride(0), wd.stride(0), g_view.stride(0), u_view.stride(0), h.stride(0),
+            TANH=args.approximate == "tanh", WRITE_H=write_h, TMA=cfg.tma, DOT_F32=False, EPI_SPLIT=cfg.epi_split,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
+            PERSISTENT=cfg.persistent, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
+            K_BETA_TANH=kt.K_BETA_TANH, K_KAPPA=kt.K_KAPPA, K_ALPHA=kt.K_ALPHA, K_BETA_ERF=kt.K_BETA_ERF,
+            K_3KAPPA=kt.K_3KAPPA, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, **kt._maxnreg(cfg),
+            grid=(1,))
+
+    jobs = []
+    if args.kernel in ("fwd", "all"):
+        for save in ((False, True) if args.save else (False,)):
+            for cfg in dict.fromkeys([kt.LARGE, kt.MEDIUM] + list(kt.SWEEP)):
+                jobs.append((f"{'fwd train' if save else 'fwd infer'} {cfg.label()}", cfg, compile_fwd, save))
+    if args.kernel in ("bwd", "all"):
+        for cfg in dict.fromkeys([kt.BWD_LARGE, kt.BWD_MEDIUM] + list(kt.BWD_SWEEP)):
+            jobs.append((f"bwd dgeglu+h {cfg.label()}", cfg, compile_bwd, True))
+    bad = 0
+    for label, cfg, fn, flag in jobs:
+        if args.config and cfg.label() != args.config:
+            continue
+        try:
+            k = fn(cfg, flag)
+        except Exception as e:
+            msg = str(e).strip().splitlines()
+            print(f"{label:<56} FAILED {type(e).__name__}: {msg[-1][:160] if msg else ''}")
+            bad += 1
+            continue
+        tag = re.sub(r"[^A-Za-z0-9]+", "_", label)
+        (out / f"{tag}.ptx").write_text(k.asm["ptx"])
+        (out / f"{tag}.cubin").write_bytes(k.asm["cubin"])
+        r = subprocess.run([str(bindir / "ptxas"), "-v", "--gpu-name", "sm_90a", str(out / f"{tag}.ptx"),
+                            "-o", "/dev/null"], capture_output=True, text=True)
+        regs = re.search(r"Used (\d+) registers", r.stderr)
+        spill = re.search(r"(\d+) bytes spill stores", r.stderr)
+        serial = re.findall(r"\((C75\d\d)\) Potential Performance Loss: wgmma.mma_async instructions are "
+                            r"serialized due to ([^.]*?) in the function", r.stderr)
+        sass = subprocess.run([str(bindir / "cuobjdump"), "--dump-sass", str(out / f"{tag}.cubin")],
+                              capture_output=True, text=True).stdout
+        (out / f"{tag}.sass").write_text(sass)
+        verdict = "SERIALIZED " + "; ".join(f"{c}: {why}" for c, why in serial) if serial else "pipelined"
+        bad += bool(serial)
+        print(f"{label:<56} {regs.group(1) if regs else '?':>3} regs  spills {spill.group(1) if spill else '?':>3} B"
+              f"  smem {k.metadata.shared // 1024:>3} KiB  HGMMA {sass.count('HGMMA'):>2}  {verdict}", flush=True)
+    print(f"PTX/SASS in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

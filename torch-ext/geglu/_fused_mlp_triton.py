@@ -1,0 +1,506 @@
+"""Triton kernel of the fused GeGLU MLP: one GEMM computes x @ Wg^T and x @ Wu^T into two fp32 accumulators per
+output tile and applies the GeGLU in its epilogue (see docs/fused-mlp.md).
+
+    h[M, H] = round(round(gelu(round(x @ Wg^T))) * round(x @ Wu^T))        (round = to the storage dtype, RNE)
+
+The epilogue is our pointwise forward (`_triton._gelu`, `_triton._round`, eager's constants and operation order,
+launched without FMA contraction), applied to the accumulators rounded to the storage dtype as eager's GEMMs store
+them: the result equals "cuBLAS-like GEMMs, then our pointwise kernel" up to the GEMMs' accumulation order. With
+``save=True`` (training) it also writes those rounded pre-activations, packed as ``gu[M, 2H] = [g | u]``, which is
+what the backward needs (the dGeGLU then writes [d_g | d_u] over it, and dX / dW become single GEMMs).
+
+Weights are read in place in nn.Linear's layout (Wg, Wu: [H, D], unit stride on D): no packed copy, no extra
+memory. A program computes a BLOCK_M x BLOCK_N tile of h: per K step it loads one x tile [BLOCK_M, BLOCK_K] and
+one tile of each weight [BLOCK_N, BLOCK_K] (TMA tensor descriptors on sm_90 when the strides are 16-byte aligned,
+plain pointer loads otherwise), and issues two dots that share the x tile. Tiles are visited in GROUP_M-row
+groups (L2 reuse of the weight tiles); the grid is one program per tile, or persistent (one program per SM looping
+over tiles, optionally with Triton's loop flattening / warp specialisation).
+
+Configs are a small fixed set chosen per (M bucket, D, H, dtype, save) (`choose_config`); nothing is autotuned at
+call time. Under the Triton interpreter (CPU tensors) the dots run on fp32 copies of the tiles (the interpreter
+multiplies bf16 as integers); products of bf16/fp16 values are exact in fp32, so this is still an fp32-accumulated
+GEMM of the same inputs.
+"""
+
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ._triton import INTERPRET, K_3KAPPA, K_ALPHA, K_BETA_ERF, K_BETA_TANH, K_KAPPA, _gelu, _gelu_grad, _round
+
+try:  # host-side TMA descriptors (triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older triton: pointer loads only
+    TensorDescriptor = None
+
+
+@triton.jit
+def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Tile id -> (row block, column block), walking GROUP_M row blocks down each column before moving right, so
+    programs running together share weight tiles (and x tiles) in L2."""
+    tiles_per_group = GROUP_M * num_pid_n
+    group = tile_id // tiles_per_group
+    first_m = group * GROUP_M
+    rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    in_group = tile_id % tiles_per_group
+    return first_m + in_group % rows, in_group // rows
+
+
+@triton.jit
+def _gate_up_tile(x_ptr, wg_ptr, wu_ptr, out_ptr, g_ptr, u_ptr, M, N, K,
+                  stride_x, stride_wg, stride_wu, stride_o, stride_g, stride_u, pid_m, pid_n,
+                  TANH: tl.constexpr, SAVE: tl.constexpr, TMA: tl.constexpr, DOT_F32: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WS_K: tl.constexpr,
+                  K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr):
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    rows = off_m + tl.arange(0, BLOCK_M)
+    cols = off_n + tl.arange(0, BLOCK_N)
+    if TMA:
+        T = x_ptr.dtype
+    else:
+        T = x_ptr.dtype.element_ty
+        ks = tl.arange(0, BLOCK_K)
+        x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_x + ks[None, :]
+        wg_ptrs = wg_ptr + cols.to(tl.int64)[:, None] * stride_wg + ks[None, :]
+        wu_ptrs = wu_ptr + cols.to(tl.int64)[:, None] * stride_wu + ks[None, :]
+    for k in tl.range(0, tl.cdiv(K, BLOCK_K), warp_specialize=WS_K):
+        if TMA:
+            a = x_ptr.load([off_m, k * BLOCK_K])
+            bg = wg_ptr.load([off_n, k * BLOCK_K])
+            bu = wu_ptr.load([off_n, k * BLOCK_K])
+        else:
+            k_ok = (k * BLOCK_K + ks) < K
+            a = tl.load(x_ptrs, mask=(rows < M)[:, None] & k_ok[None, :], other=0.0)
+            bg = tl.load(wg_ptrs, mask=(cols < N)[:, None] & k_ok[None, :], other=0.0)
+            bu = tl.load(wu_ptrs, mask=(cols < N)[:, None] & k_ok[None, :], other=0.0)
+            x_ptrs += BLOCK_K
+            wg_ptrs += BLOCK_K
+            wu_ptrs += BLOCK_K
+        if DOT_F32:  # interpreter: exact products of the bf16/fp16 values, fp32 accumulation
+            a = a.to(tl.float32)
+            bg = bg.to(tl.float32)
+            bu = bu.to(tl.float32)
+            acc_g = tl.dot(a, bg.T, acc_g, input_precision="ieee")
+            acc_u = tl.dot(a, bu.T, acc_u, input_precision="ieee")
+        else:
+            acc_g = tl.dot(a, bg.T, acc_g)
+            acc_u = tl.dot(a, bu.T, acc_u)
+    # Epilogue: the GEMM outputs as eager stores them (rounded to T), then our pointwise GeGLU with eager's rounding.
+    g = _round(acc_g, T)
+    u = _round(acc_u, T)
+    h = _round(_gelu(g.to(tl.float32), TANH, K_BETA_TANH, K_KAPPA, K_ALPHA), T).to(tl.float32)
+    y = _round(h * u.to(tl.float32), T)
+    if TMA:
+        out_ptr.store([off_m, off_n], y)
+        if SAVE:
+            g_ptr.store([off_m, off_n], g)
+            u_ptr.store([off_m, off_n], u)
+    else:
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
+        r64 = rows.to(tl.int64)[:, None]
+        tl.store(out_ptr + r64 * stride_o + cols[None, :], y, mask=mask)
+        if SAVE:
+            tl.store(g_ptr + r64 * stride_g + cols[None, :], g, mask=mask)
+            tl.store(u_ptr + r64 * stride_u + cols[None, :], u, mask=mask)
+
+
+@triton.jit
+def _gate_up_geglu_kernel(x_ptr, wg_ptr, wu_ptr, out_ptr, g_ptr, u_ptr, M, N, K,
+                          stride_x, stride_wg, stride_wu, stride_o, stride_g, stride_u,
+                          TANH: tl.constexpr, SAVE: tl.constexpr, TMA: tl.constexpr, DOT_F32: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
+                          WARP_SPECIALIZE: tl.constexpr,
+                          K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr):
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    if PERSISTENT:
+        num_tiles = num_pid_m * num_pid_n
+        for tile_id in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=FLATTEN,
+                                warp_specialize=WARP_SPECIALIZE):
+            pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+            _gate_up_tile(x_ptr, wg_ptr, wu_ptr, out_ptr, g_ptr, u_ptr, M, N, K,
+                          stride_x, stride_wg, stride_wu, stride_o, stride_g, stride_u, pid_m, pid_n,
+                          TANH, SAVE, TMA, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_K, False, K_BETA_TANH, K_KAPPA, K_ALPHA)
+    else:
+        pid_m, pid_n = _tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+        _gate_up_tile(x_ptr, wg_ptr, wu_ptr, out_ptr, g_ptr, u_ptr, M, N, K,
+                      stride_x, stride_wg, stride_wu, stride_o, stride_g, stride_u, pid_m, pid_n,
+                      TANH, SAVE, TMA, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_K, WARP_SPECIALIZE,
+                      K_BETA_TANH, K_KAPPA, K_ALPHA)
+
+
+# --- backward: dGeGLU in the epilogue of dY @ Wd ------------------------------------------------------------------
+
+
+@triton.jit
+def _dgeglu_part(dh_acc, off_m, off_n, g_ptr, u_ptr, h_ptr, M, N, stride_g, stride_u, stride_h,
+                 T: tl.constexpr, TANH: tl.constexpr, WRITE_H: tl.constexpr, TMA: tl.constexpr,
+                 BLOCK_M: tl.constexpr, PART_N: tl.constexpr,
+                 K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr,
+                 K_BETA_ERF: tl.constexpr, K_3KAPPA: tl.constexpr):
+    """Epilogue on a [BLOCK_M, PART_N] column slice of the d_h accumulator: d_h as eager's GEMM stores it, then our
+    pointwise backward (eager's mul/gelu_backward rounding), written over [g | u] in place (this program is the
+    only reader and writer of these positions), and h = geglu(g, u) recomputed for dW_down."""
+    dh = _round(dh_acc, T).to(tl.float32)
+    rows = off_m + tl.arange(0, BLOCK_M)
+    cols = off_n + tl.arange(0, PART_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    if TMA:
+        g = g_ptr.load([off_m, off_n])
+        u = u_ptr.load([off_m, off_n])
+    else:
+        g = tl.load(g_ptr + r64 * stride_g + cols[None, :], mask=mask, other=0.0)
+        u = tl.load(u_ptr + r64 * stride_u + cols[None, :], mask=mask, other=0.0)
+    x = g.to(tl.float32)
+    uf = u.to(tl.float32)
+    h = _round(_gelu(x, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA), T).to(tl.float32)
+    d_up = _round(dh * h, T)
+    d_hg = _round(dh * uf, T).to(tl.float32)
+    d_gate = _round(d_hg * _gelu_grad(x, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA), T)
+    if TMA:
+        g_ptr.store([off_m, off_n], d_gate)
+        u_ptr.store([off_m, off_n], d_up)
+        if WRITE_H:
+            h_ptr.store([off_m, off_n], _round(h * uf, T))
+    else:
+        tl.store(g_ptr + r64 * stride_g + cols[None, :], d_gate, mask=mask)
+        tl.store(u_ptr + r64 * stride_u + cols[None, :], d_up, mask=mask)
+        if WRITE_H:
+            tl.store(h_ptr + r64 * stride_h + cols[None, :], _round(h * uf, T), mask=mask)
+
+
+@triton.jit
+def _halves(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Columns [0, BLOCK_N/2) and [BLOCK_N/2, BLOCK_N) of acc."""
+    return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def _down_dgeglu_tile(dy_ptr, wd_ptr, g_ptr, u_ptr, h_ptr, M, N, K,
+                      stride_dy, stride_wd, stride_g, stride_u, stride_h, pid_m, pid_n,
+                      TANH: tl.constexpr, WRITE_H: tl.constexpr, TMA: tl.constexpr, DOT_F32: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EPI_SPLIT: tl.constexpr,
+                      K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr,
+                      K_BETA_ERF: tl.constexpr, K_3KAPPA: tl.constexpr):
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if TMA:
+        T = dy_ptr.dtype
+    else:
+        T = dy_ptr.dtype.element_ty
+        rows = off_m + tl.arange(0, BLOCK_M)
+        cols = off_n + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        a_ptrs = dy_ptr + rows.to(tl.int64)[:, None] * stride_dy + ks[None, :]
+        b_ptrs = wd_ptr + ks.to(tl.int64)[:, None] * stride_wd + cols[None, :]
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if TMA:
+            a = dy_ptr.load([off_m, k * BLOCK_K])
+            b = wd_ptr.load([k * BLOCK_K, off_n])
+        else:
+            k_ok = (k * BLOCK_K + ks) < K
+            a = tl.load(a_ptrs, mask=(rows < M)[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & (cols < N)[None, :], other=0.0)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K * stride_wd
+        if DOT_F32:
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    # The epilogue in EPI_SPLIT column slices: fewer live registers (the dGeGLU needs ~8 temporaries an element).
+    if EPI_SPLIT == 1:
+        _dgeglu_part(acc, off_m, off_n, g_ptr, u_ptr, h_ptr, M, N, stride_g, stride_u, stride_h, T, TANH,
+                     WRITE_H, TMA, BLOCK_M, BLOCK_N, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA)
+    elif EPI_SPLIT == 2:
+        a0, a1 = _halves(acc, BLOCK_M, BLOCK_N)
+        _dgeglu_part(a0, off_m, off_n, g_ptr, u_ptr, h_ptr, M, N, stride_g, stride_u, stride_h, T, TANH,
+                     WRITE_H, TMA, BLOCK_M, BLOCK_N // 2, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA)
+        _dgeglu_part(a1, off_m, off_n + BLOCK_N // 2, g_ptr, u_ptr, h_ptr, M, N, stride_g, stride_u, stride_h, T,
+                     TANH, WRITE_H, TMA, BLOCK_M, BLOCK_N // 2, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF,
+                     K_3KAPPA)
+    else:
+        tl.static_assert(EPI_SPLIT == 4, "EPI_SPLIT must be 1, 2 or 4")
+        a0, a1 = _halves(acc, BLOCK_M, BLOCK_N)
+        a00, a01 = _halves(a0, BLOCK_M, BLOCK_N // 2)
+        a10, a11 = _halves(a1, BLOCK_M, BLOCK_N // 2)
+        Q: tl.constexpr = BLOCK_N // 4
+        _dgeglu_part(a00, off_m, off_n, g_ptr, u_ptr, h_ptr, M, N, stride_g, stride_u, stride_h, T, TANH,
+                     WRITE_H, TMA, BLOCK_M, Q, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA)
+        _dgeglu_part(a01, off_m, off_n + Q, g_ptr, u_ptr, h_ptr, M, N, stride_g, stride_u, stride_h, T, TANH,
+                     WRITE_H, TMA, BLOCK_M, Q, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA)
+        _dgeglu_part(a10, off_m, off_n + 2 * Q, g_ptr, u_ptr, h_ptr, M, N, stride_g, stride_u, stride_h, T, TANH,
+                     WRITE_H, TMA, BLOCK_M, Q, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA)
+        _dgeglu_part(a11, off_m, off_n + 3 * Q, g_ptr, u_ptr, h_ptr, M, N, stride_g, stride_u, stride_h, T, TANH,
+                     WRITE_H, TMA, BLOCK_M, Q, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA)
+
+
+@triton.jit
+def _down_dgeglu_kernel(dy_ptr, wd_ptr, g_ptr, u_ptr, h_ptr, M, N, K,
+                        stride_dy, stride_wd, stride_g, stride_u, stride_h,
+                        TANH: tl.constexpr, WRITE_H: tl.constexpr, TMA: tl.constexpr, DOT_F32: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
+                        WARP_SPECIALIZE: tl.constexpr, EPI_SPLIT: tl.constexpr,
+                        K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr,
+                        K_BETA_ERF: tl.constexpr, K_3KAPPA: tl.constexpr):
+    """[d_g | d_u] over [g | u] (and h = geglu(g, u) when WRITE_H) from d_h = dY @ Wd: dY [M, K=D], Wd [D, N=H]."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    if PERSISTENT:
+        for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=FLATTEN,
+                                warp_specialize=WARP_SPECIALIZE):
+            pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+            _down_dgeglu_tile(dy_ptr, wd_ptr, g_ptr, u_ptr, h_ptr, M, N, K, stride_dy, stride_wd, stride_g,
+                              stride_u, stride_h, pid_m, pid_n, TANH, WRITE_H, TMA, DOT_F32, BLOCK_M, BLOCK_N,
+                              BLOCK_K, EPI_SPLIT, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA)
+    else:
+        pid_m, pid_n = _tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+        _down_dgeglu_tile(dy_ptr, wd_ptr, g_ptr, u_ptr, h_ptr, M, N, K, stride_dy, stride_wd, stride_g,
+                          stride_u, stride_h, pid_m, pid_n, TANH, WRITE_H, TMA, DOT_F32, BLOCK_M, BLOCK_N,
+                          BLOCK_K, EPI_SPLIT, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA)
+
+
+
+# --- configs ------------------------------------------------------------------------------------------------------
+
+
+class Config(NamedTuple):
+    block_m: int = 128
+    block_n: int = 128  # per accumulator: the tile covers BLOCK_N columns of gate and of up
+    block_k: int = 64
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+    persistent: bool = False
+    flatten: bool = False
+    warp_specialize: bool = False  # Triton's automatic warp specialisation: on the tile loop when persistent, else
+    #                                on the K loop (a TMA producer warp and wgmma consumer warpgroups)
+    tma: bool = True  # use TMA descriptors where the hardware and the strides allow it
+    programs_per_sm: int = 1  # persistent grid size = programs_per_sm * SMs (2 for tiles that fit twice on an SM)
+    epi_split: int = 1  # backward kernel: epilogue in 1, 2 or 4 column slices (register pressure)
+    maxnreg: Optional[int] = None  # register cap (e.g. 128 at 8 warps: two programs per SM)
+
+    def label(self) -> str:
+        s = f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages} g{self.group_m}"
+        if self.persistent:
+            s += " persistent" + (f"x{self.programs_per_sm}" if self.programs_per_sm > 1 else "") + (
+                " flat" if self.flatten else "")
+        if self.warp_specialize:
+            s += " ws"
+        if self.epi_split > 1:
+            s += f" epi/{self.epi_split}"
+        if self.maxnreg:
+            s += f" r{self.maxnreg}"
+        if not self.tma:
+            s += " ptr"
+        return s
+
+
+# Shared memory per stage is (BLOCK_M + 2 * BLOCK_N) * BLOCK_K * 2 bytes: 48 KiB at 128x128x64. Registers: two
+# 128x128 fp32 accumulators over 8 warps are 128 a thread. Checked offline for sm_90a with Triton 3.6's compiler and
+# ptxas (benchmarks/aot_fused_mlp.py, no GPU needed): the persistent 128x128x64 w8 s3 kernel issues its 8 wgmma of a
+# K step back to back (one wait per step, 2 groups in flight), 172 registers (181 with save), 176 KiB of shared
+# memory, no spills. The same tile without the persistent loop compiles to a *serialized* wgmma pipeline (ptxas
+# C7515: every wgmma waits for the previous one), so it is not the default.
+LARGE = Config(128, 128, 64, 8, 8, 3, persistent=True)
+MEDIUM = Config(64, 128, 64, 8, 4, 4)  # 65 <= M <= 256: one warpgroup, m64 wgmma (not serialized; 173 registers)
+INTERPRETER = Config(16, 16, 16, 2, 1, 1)  # tiny tiles: several tiles and K steps at test sizes
+INTERPRETER_BWD = Config(16, 32, 16, 2, 1, 1, epi_split=2)  # exercises the epilogue split
+
+# Measured choices, (M bucket, D, H, dtype, save) -> Config; filled from benchmarks/bench_fused_mlp.py runs.
+TUNED: dict = {}
+
+# The tile configs the benchmark sweeps (inference mode); the best per shape goes into TUNED. Arithmetic intensity
+# (outputs per loaded row per K step): 128x128 and 256x64 tiles (both gate and up) match cuBLAS's 128x256 tile.
+SWEEP = [
+    LARGE,
+    Config(128, 128, 64, 16, 8, 3, persistent=True),
+    Config(128, 128, 64, 8, 8, 3, persistent=True, warp_specialize=True),
+    Config(256, 64, 64, 8, 8, 3),
+    Config(256, 64, 64, 8, 8, 4),
+    Config(256, 64, 64, 8, 8, 3, persistent=True),
+    Config(128, 64, 64, 8, 4, 3),  # 96 KiB, ~173 registers x 128 threads: two programs per SM
+    Config(128, 64, 64, 8, 4, 3, persistent=True, programs_per_sm=2),
+    Config(128, 64, 64, 8, 4, 4),
+    MEDIUM,
+    Config(128, 128, 64, 8, 8, 3),  # reference: the serialized non-persistent compile (see above)
+    Config(128, 128, 64, 8, 8, 3, tma=False),  # pointer loads instead of TMA
+]
+
+
+# Backward (dGeGLU in the epilogue of dY @ Wd): one accumulator, so the tile can be wider.
+BWD_LARGE = Config(128, 128, 64, 8, 8, 3, persistent=True, epi_split=4)
+BWD_MEDIUM = Config(64, 128, 64, 8, 4, 4, epi_split=4)
+BWD_TUNED: dict = {}  # (M bucket, D, H, dtype, write_h) -> Config
+BWD_SWEEP = [
+    BWD_LARGE,
+    Config(128, 128, 64, 8, 8, 3, persistent=True, epi_split=2),
+    Config(128, 128, 64, 8, 8, 4, persistent=True, epi_split=4),
+    Config(128, 256, 64, 8, 8, 3, persistent=True, epi_split=4),
+    Config(128, 128, 64, 8, 4, 4, persistent=True, epi_split=4),
+    Config(128, 128, 64, 8, 8, 3, epi_split=4),
+    Config(128, 128, 64, 8, 8, 3, epi_split=4, maxnreg=128),  # 138 registers uncapped: capped, two per SM
+    Config(128, 256, 64, 8, 8, 3, epi_split=4),
+    Config(128, 128, 64, 8, 8, 3, persistent=True),  # no epilogue split (reference: spills)
+]
+
+
+def m_bucket(M: int) -> int:
+    """Power-of-two bucket of M (capped at 8192), the only M dependence of the config choice."""
+    return min(1 << max(M - 1, 1).bit_length(), 8192)
+
+
+def choose_config(M: int, D: int, H: int, dtype: torch.dtype, save: bool) -> Config:
+    if INTERPRET:
+        return INTERPRETER
+    cfg = TUNED.get((m_bucket(M), D, H, dtype, save))
+    if cfg is not None:
+        return cfg
+    return MEDIUM if M <= 256 else LARGE
+
+
+def choose_bwd_config(M: int, D: int, H: int, dtype: torch.dtype, write_h: bool) -> Config:
+    if INTERPRET:
+        return INTERPRETER_BWD
+    cfg = BWD_TUNED.get((m_bucket(M), D, H, dtype, write_h))
+    if cfg is not None:
+        return cfg
+    return BWD_MEDIUM if M <= 256 else BWD_LARGE
+
+
+# --- launcher -----------------------------------------------------------------------------------------------------
+
+_SM_COUNT = {}
+last_compiled = None  # the last launch's compiled kernel (registers, spills, shared memory: for benchmarks)
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """TMA needs a 16-byte-aligned base and row stride, and a unit stride on the last dim."""
+    es = t.element_size()
+    return t.stride(-1) == 1 and (t.stride(0) * es) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+def tma_supported(device: torch.device) -> bool:
+    if TensorDescriptor is None:
+        return False
+    if INTERPRET:
+        return True
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def gate_up_geglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, tanh: bool, save: bool,
+                  config: Optional[Config] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """h = geglu(x @ w_gate^T, x @ w_up^T) for 2-D x [M, D] and weights [H, D] (fp16/bf16, unit last-dim stride,
+    validated by the caller); with ``save`` also gu = [g | u] [M, 2H], the rounded pre-activations."""
+    M, K = x.shape
+    N = w_gate.shape[0]
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    gu = torch.empty((M, 2 * N), dtype=x.dtype, device=x.device) if save else None
+    if M == 0 or N == 0:
+        return out, gu
+    if K == 0:
+        raise ValueError("geglu_mlp_fused: D = 0 is not supported by the fused kernel.")
+    cfg = config or choose_config(M, K, N, x.dtype, save)
+    g_view, u_view = (gu[:, :N], gu[:, N:]) if save else (out, out)
+    tensors = (x, w_gate, w_up, out, g_view, u_view)
+    use_tma = cfg.tma and tma_supported(x.device) and all(_aligned(t) for t in tensors)
+    if use_tma:
+        bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+        args = [TensorDescriptor(t, list(t.shape), list(t.stride()), blk) for t, blk in
+                ((x, [bm, bk]), (w_gate, [bn, bk]), (w_up, [bn, bk]), (out, [bm, bn]), (g_view, [bm, bn]),
+                 (u_view, [bm, bn]))]
+    else:
+        args = list(tensors)
+    try:
+        _launch(args, M, N, K, x, w_gate, w_up, out, g_view, u_view, tanh, save, use_tma, cfg)
+    except triton.runtime.errors.OutOfResources:
+        if config is not None or cfg.num_stages <= 2:
+            raise  # an explicit config (benchmarks, tests) reports its failure
+        # Too much shared memory for this device (e.g. the epilogue's store staging with save=True): retry with
+        # one pipeline stage fewer, down to 2, and remember the working choice for this (M bucket, D, H, dtype).
+        TUNED[(m_bucket(M), K, N, x.dtype, save)] = cfg._replace(num_stages=cfg.num_stages - 1)
+        return gate_up_geglu(x, w_gate, w_up, tanh, save)
+    return out, gu
+
+
+def _launch(args, M, N, K, x, w_gate, w_up, out, g_view, u_view, tanh, save, use_tma, cfg):
+    global last_compiled
+    num_tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    grid = (min(num_tiles, cfg.programs_per_sm * _sm_count(x.device)) if cfg.persistent else num_tiles,)
+    with torch.cuda.device(x.device) if x.device.type == "cuda" else _nullcontext():
+        last_compiled = _gate_up_geglu_kernel[grid](
+            *args, M, N, K,
+            x.stride(0), w_gate.stride(0), w_up.stride(0), out.stride(0), g_view.stride(0), u_view.stride(0),
+            TANH=tanh, SAVE=save, TMA=use_tma, DOT_F32=INTERPRET,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            PERSISTENT=cfg.persistent, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
+            K_BETA_TANH=K_BETA_TANH, K_KAPPA=K_KAPPA, K_ALPHA=K_ALPHA,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
+            **_maxnreg(cfg),
+        )
+
+
+def down_dgeglu(dy: torch.Tensor, w_down: torch.Tensor, gu: torch.Tensor, tanh: bool, write_h: bool,
+                config: Optional[Config] = None) -> Optional[torch.Tensor]:
+    """In place: gu = [g | u] [M, 2H] becomes [d_g | d_u] for d_h = dy @ w_down (dy [M, D], w_down [D, H]); with
+    ``write_h`` also returns h = geglu(g, u) [M, H] (for dW_down), recomputed from g, u."""
+    M, K = dy.shape
+    N = w_down.shape[1]
+    h = torch.empty((M, N), dtype=dy.dtype, device=dy.device) if write_h else None
+    if M == 0 or N == 0:
+        return h
+    cfg = config or choose_bwd_config(M, K, N, dy.dtype, write_h)
+    g_view, u_view = gu[:, :N], gu[:, N:]
+    h_arg = h if write_h else g_view
+    tensors = (dy, w_down, g_view, u_view, h_arg)
+    use_tma = cfg.tma and tma_supported(dy.device) and all(_aligned(t) for t in tensors)
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    pn = bn // cfg.epi_split  # the epilogue's column slice
+    if use_tma:
+        args = [TensorDescriptor(t, list(t.shape), list(t.stride()), blk) for t, blk in
+                ((dy, [bm, bk]), (w_down, [bk, bn]), (g_view, [bm, pn]), (u_view, [bm, pn]), (h_arg, [bm, pn]))]
+    else:
+        args = list(tensors)
+    global last_compiled
+    num_tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    grid = (min(num_tiles, cfg.programs_per_sm * _sm_count(dy.device)) if cfg.persistent else num_tiles,)
+    with torch.cuda.device(dy.device) if dy.device.type == "cuda" else _nullcontext():
+        last_compiled = _down_dgeglu_kernel[grid](
+            *args, M, N, K, dy.stride(0), w_down.stride(0), g_view.stride(0), u_view.stride(0), h_arg.stride(0),
+            TANH=tanh, WRITE_H=write_h, TMA=use_tma, DOT_F32=INTERPRET, EPI_SPLIT=cfg.epi_split,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
+            PERSISTENT=cfg.persistent, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
+            K_BETA_TANH=K_BETA_TANH, K_KAPPA=K_KAPPA, K_ALPHA=K_ALPHA, K_BETA_ERF=K_BETA_ERF, K_3KAPPA=K_3KAPPA,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
+            **_maxnreg(cfg),
+        )
+    return h
+
+
+def _maxnreg(cfg: Config) -> dict:
+    return {"maxnreg": cfg.maxnreg} if cfg.maxnreg and not INTERPRET else {}
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
