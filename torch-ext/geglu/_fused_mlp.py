@@ -109,7 +109,7 @@ def _unit_last(w: Tensor) -> Tensor:
 def _fused_kernel_applies(x2: Tensor) -> bool:
     if x2.dtype not in (torch.float16, torch.bfloat16):
         return False  # fp32: cuBLAS computes full-fp32 GEMMs; Triton's dot would use TF32
-    impl = _backend.impl_for(x2.device.type)
+    impl = _backend.impl_for(x2.device.type, x2.numel())
     if x2.device.type == "cuda":
         return x2.shape[0] > DECODE_MAX_M
     # CPU: only under the Triton interpreter with the backend forced to 'triton' (tests)
