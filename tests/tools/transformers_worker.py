@@ -18,6 +18,7 @@ import copy
 import importlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -447,6 +448,8 @@ def check_lockfile(repo_id, work: Path, calls, kernelize, Mode):
     (proj / "pyproject.toml").write_text(
         f'[project]\nname = "uses-geglu"\nversion = "0.1"\n\n[tool.kernels.dependencies]\n"{repo_id}" = 1\n')
     cli = Path(sys.executable).parent / "kernels"
+    if not cli.exists():  # kernels installed elsewhere (e.g. pip --target): its CLI is on PATH
+        cli = Path(shutil.which("kernels") or cli)
     r = subprocess.run([str(cli), "lock", str(proj)], capture_output=True, text=True, timeout=120)
     if r.returncode != 0:
         raise RuntimeError(f"kernels lock failed: {r.stdout}\n{r.stderr}")
