@@ -257,7 +257,7 @@ def register_geglu_kernels(repo_id: str = DEFAULT_REPO_ID, *, version: int | Non
 
 
 def geglu_kernel_config(model: Any, repo_id: str = DEFAULT_REPO_ID, *, version: int | None = 1,
-                        revision: str | None = None, trust_remote_code: bool = False):
+                        revision: str | None = None, trust_remote_code: bool = False, inherit_mapping: bool = False):
     """A transformers ``KernelConfig`` that maps the GeGLU classes found in ``model`` to the hub kernel, for
     transformers' own route (GPU only in transformers 5.22.2)::
 
@@ -271,6 +271,10 @@ def geglu_kernel_config(model: Any, repo_id: str = DEFAULT_REPO_ID, *, version: 
     model, hence the argument. It calls :func:`register_geglu_kernels` with ``register=False`` first, so that the
     classes carry their keys. On a CPU model transformers raises ``ValueError: Only devices in [...] are
     supported``: use :func:`register_geglu_kernels` and ``kernels.kernelize`` there.
+
+    ``inherit_mapping=False`` (default) maps only the GeGLU layers. With True, transformers' own default mapping
+    applies as well (e.g. ``rotary_pos_emb`` -> kernels-community/rotary), which needs those repositories on the
+    Hub in use: on an H200 run against our loopback Hub that raised RepositoryNotFound for kernels-community/rotary.
     """
     from transformers import KernelConfig
 
@@ -288,7 +292,8 @@ def geglu_kernel_config(model: Any, repo_id: str = DEFAULT_REPO_ID, *, version: 
     meta = {"version": version} if revision is None else {"revision": revision}
     meta["trust_remote_code"] = trust_remote_code
     layer_of = {h.key: h.layer for h in GEGLU_CLASSES if h.layer}
-    return KernelConfig({key: (f"{repo_id}:{layer_of[key]}", dict(meta)) for key in sorted(keys)})
+    return KernelConfig({key: (f"{repo_id}:{layer_of[key]}", dict(meta)) for key in sorted(keys)},
+                        inherit_mapping=inherit_mapping)
 
 
 def classes_markdown() -> str:
