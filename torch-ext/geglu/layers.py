@@ -34,6 +34,25 @@ def gelu_approximation(act) -> Optional[str]:
     return None
 
 
+def gated(act, gate: torch.Tensor, up: torch.Tensor, inplace_backward: bool = True) -> torch.Tensor:
+    """``act(gate) * up``: the kernel when ``act`` is a GELU it computes, the host's own math otherwise. The
+    kernel's backward writes the gradients over ``gate`` and ``up`` (projection outputs that nothing else reads)
+    unless ``inplace_backward=False``."""
+    approximate = gelu_approximation(act)
+    if approximate is None:
+        return act(gate) * up
+    return geglu(gate, up, approximate, inplace_backward=inplace_backward)
+
+
+def gated_packed(act, x: torch.Tensor, act_first: bool) -> torch.Tensor:
+    """``act(a) * b`` (``act_first``) or ``a * act(b)`` of ``a, b = x.chunk(2, -1)``, like :func:`gated`."""
+    approximate = gelu_approximation(act)
+    if approximate is None:
+        a, b = x.chunk(2, dim=-1)
+        return act(a) * b if act_first else a * act(b)
+    return geglu_packed(x, approximate, act_first=act_first, inplace_backward=True)
+
+
 class GeluAndMul(nn.Module):
     """``gelu(x[..., :d]) * x[..., d:]`` (exact GELU), the name kernels-community/activation uses; with backward."""
 
@@ -71,10 +90,7 @@ class GeGLUMLP(nn.Module):
     act_fn: nn.Module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        approximate = gelu_approximation(self.act_fn)
-        if approximate is None:
-            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(geglu(self.gate_proj(x), self.up_proj(x), approximate, inplace_backward=True))
+        return self.down_proj(gated(self.act_fn, self.gate_proj(x), self.up_proj(x)))
 
 
 class GeGLUMLPWithDropout(nn.Module):
@@ -94,12 +110,7 @@ class GeGLUMLPWithDropout(nn.Module):
     dropout: nn.Module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        approximate = gelu_approximation(self.act_fn)
-        if approximate is None:
-            hidden_states = self.act_fn(self.gate_proj(x)) * self.up_proj(x)
-        else:
-            hidden_states = geglu(self.gate_proj(x), self.up_proj(x), approximate, inplace_backward=True)
-        return self.down_proj(self.dropout(hidden_states))
+        return self.down_proj(self.dropout(gated(self.act_fn, self.gate_proj(x), self.up_proj(x))))
 
 
 class Gemma3nGeGLUMLP(nn.Module):
@@ -125,10 +136,7 @@ class Gemma3nGeGLUMLP(nn.Module):
         sparse = self.activation_sparsity > 0.0
         if sparse:
             gate = self._gaussian_topk(gate)
-        approximate = gelu_approximation(self.act_fn)
-        if approximate is None:
-            return self.down_proj(self.act_fn(gate) * self.up_proj(hidden_states))
-        return self.down_proj(geglu(gate, self.up_proj(hidden_states), approximate, inplace_backward=not sparse))
+        return self.down_proj(gated(self.act_fn, gate, self.up_proj(hidden_states), inplace_backward=not sparse))
 
 
 class T5GeGLUDense(nn.Module):
@@ -149,13 +157,7 @@ class T5GeGLUDense(nn.Module):
     act: nn.Module
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        approximate = gelu_approximation(self.act)
-        if approximate is None:
-            hidden_states = self.act(self.wi_0(hidden_states)) * self.wi_1(hidden_states)
-        else:
-            hidden_states = geglu(self.wi_0(hidden_states), self.wi_1(hidden_states), approximate,
-                                  inplace_backward=True)
-        hidden_states = self.dropout(hidden_states)
+        hidden_states = self.dropout(gated(self.act, self.wi_0(hidden_states), self.wi_1(hidden_states)))
         weight = self.wo.weight
         if isinstance(weight, torch.Tensor) and hidden_states.dtype != weight.dtype and weight.dtype != torch.int8:
             hidden_states = hidden_states.to(weight.dtype)
@@ -176,13 +178,7 @@ class LongT5GeGLUDense(nn.Module):
     act: nn.Module
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        approximate = gelu_approximation(self.act)
-        if approximate is None:
-            hidden_states = self.act(self.wi_0(hidden_states)) * self.wi_1(hidden_states)
-        else:
-            hidden_states = geglu(self.wi_0(hidden_states), self.wi_1(hidden_states), approximate,
-                                  inplace_backward=True)
-        return self.wo(self.dropout(hidden_states))
+        return self.wo(self.dropout(gated(self.act, self.wi_0(hidden_states), self.wi_1(hidden_states))))
 
 
 class ModernBertGeGLUMLP(nn.Module):
@@ -198,12 +194,7 @@ class ModernBertGeGLUMLP(nn.Module):
     Wo: nn.Module
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        approximate = gelu_approximation(self.act)
-        if approximate is None:
-            input, gate = self.Wi(hidden_states).chunk(2, dim=-1)
-            return self.Wo(self.drop(self.act(input) * gate))
-        return self.Wo(self.drop(geglu_packed(self.Wi(hidden_states), approximate, act_first=True,
-                                              inplace_backward=True)))
+        return self.Wo(self.drop(gated_packed(self.act, self.Wi(hidden_states), act_first=True)))
 
 
 class Zamba2GeGLUMLP(nn.Module):
@@ -223,11 +214,7 @@ class Zamba2GeGLUMLP(nn.Module):
         gate_up_state = self.gate_up_proj(hidden_state)
         layer_idx = self.layer_dic[layer_idx]
         gate_up_state = gate_up_state + self.gate_up_proj_adapter_list[layer_idx](hidden_state)
-        approximate = gelu_approximation(self.act_fn)
-        if approximate is None:
-            gate, up = torch.chunk(gate_up_state, 2, dim=-1)
-            return self.down_proj(self.act_fn(gate) * up)
-        return self.down_proj(geglu_packed(gate_up_state, approximate, act_first=True, inplace_backward=True))
+        return self.down_proj(gated_packed(self.act_fn, gate_up_state, act_first=True))
 
 
 class ClvpGeGLU(nn.Module):
@@ -241,11 +228,7 @@ class ClvpGeGLU(nn.Module):
     activation_fn: nn.Module
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        approximate = gelu_approximation(self.activation_fn)
-        if approximate is None:
-            hidden_states, gate = self.proj(hidden_states).chunk(2, dim=-1)
-            return hidden_states * self.activation_fn(gate)
-        return geglu_packed(self.proj(hidden_states), approximate, act_first=False, inplace_backward=True)
+        return gated_packed(self.activation_fn, self.proj(hidden_states), act_first=False)
 
 
 class CpmAntGeGLU(nn.Module):
@@ -259,10 +242,7 @@ class CpmAntGeGLU(nn.Module):
     act: nn.Module
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        approximate = gelu_approximation(self.act)
-        if approximate is None:
-            return self.act(self.w_0(hidden_states)) * self.w_1(hidden_states)
-        return geglu(self.w_0(hidden_states), self.w_1(hidden_states), approximate, inplace_backward=True)
+        return gated(self.act, self.w_0(hidden_states), self.w_1(hidden_states))
 
 
 __all__ = [
