@@ -188,46 +188,55 @@ def _no_grad_call(torch, mod, x):
         return mod(x)
 
 
+def mlp_impls(geglu, D: int, H: int) -> dict:
+    """The same Gemma-style MLP (bf16, tanh GeGLU, shared weights) as eager, torch.compile, Liger's LigerGEGLUMLP
+    (when installed) and ours (the hub layer's forward bound to the module, as kernelize does)."""
+    import torch
+    from torch import nn
+
+    class GatedMLP(nn.Module):  # transformers' Gemma MLP
+        def __init__(self):
+            super().__init__()
+            self.gate_proj = nn.Linear(D, H, bias=False)
+            self.up_proj = nn.Linear(D, H, bias=False)
+            self.down_proj = nn.Linear(H, D, bias=False)
+            self.act_fn = nn.GELU(approximate="tanh")
+
+        def forward(self, x):
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    base = GatedMLP().to("cuda", torch.bfloat16)
+    impls = {"eager": base, "torch.compile": torch.compile(base, dynamic=False)}
+    try:
+        from liger_kernel.transformers.geglu import LigerGEGLUMLP  # type: ignore
+
+        class Cfg:
+            hidden_size, intermediate_size, hidden_act = D, H, "gelu_pytorch_tanh"
+
+        liger = LigerGEGLUMLP(Cfg()).to("cuda", torch.bfloat16)
+        liger.load_state_dict(base.state_dict(), strict=False)
+        impls["liger"] = liger
+    except Exception as e:  # not installed
+        print(f"(Liger not available: {e})", file=sys.stderr)
+    ours = GatedMLP().to("cuda", torch.bfloat16)
+    ours.load_state_dict(base.state_dict())
+    ours.forward = geglu.layers.GeGLUMLP.forward.__get__(ours)
+    impls["ours"] = ours
+    return impls
+
+
 def run_mlp(build_dir: Path, shapes=MLP_SHAPES, log=print) -> dict:
     """The whole MLP (bf16, tanh GeGLU): eager, torch.compile, Liger's LigerGEGLUMLP and our GeGLUMLP layer;
     forward and forward+backward median times, % of the cuBLAS FLOP rate measured here, peak memory."""
     import torch
     import kernels
-    from torch import nn
 
     geglu = kernels.get_local_kernel(build_dir)
     peak_tflops = cublas_tflops(torch)
     log(f"cuBLAS bf16 8192^3: {peak_tflops:.0f} TFLOP/s")
-    try:
-        from liger_kernel.transformers.geglu import LigerGEGLUMLP  # type: ignore
-    except Exception:
-        LigerGEGLUMLP = None
     rows = []
     for M, D, H in shapes:
-        class GatedMLP(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.gate_proj = nn.Linear(D, H, bias=False)
-                self.up_proj = nn.Linear(D, H, bias=False)
-                self.down_proj = nn.Linear(H, D, bias=False)
-                self.act_fn = nn.GELU(approximate="tanh")
-
-            def forward(self, x):
-                return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-
-        base = GatedMLP().to("cuda", torch.bfloat16)
-        impls = {"eager": base, "torch.compile": torch.compile(base, dynamic=False)}
-        if LigerGEGLUMLP is not None:
-            class Cfg:
-                hidden_size, intermediate_size, hidden_act = D, H, "gelu_pytorch_tanh"
-
-            liger = LigerGEGLUMLP(Cfg()).to("cuda", torch.bfloat16)
-            liger.load_state_dict(base.state_dict(), strict=False)
-            impls["liger"] = liger
-        ours = GatedMLP().to("cuda", torch.bfloat16)
-        ours.load_state_dict(base.state_dict())
-        ours.forward = geglu.layers.GeGLUMLP.forward.__get__(ours)  # what kernelize does
-        impls["ours"] = ours
+        impls = mlp_impls(geglu, D, H)
         x = torch.randn(M, D, device="cuda", dtype=torch.bfloat16)
         xg = x.clone().requires_grad_()
         dy = torch.randn(M, D, device="cuda", dtype=torch.bfloat16)
@@ -258,7 +267,7 @@ def run_mlp(build_dir: Path, shapes=MLP_SHAPES, log=print) -> dict:
                              fwd_bwd_pct_cublas=round(100 * 3 * flops_f / (t_fb * 1e-6) / 1e12 / peak_tflops, 1),
                              peak_mib=round(peak, 1)))
             log(f"MLP {M}x{D}x{H} {name}: fwd {t_f:.1f}us fwd+bwd {t_fb:.1f}us peak {peak:.0f} MiB")
-        del impls, base, ours, x, xg, dy
+        del impls, x, xg, dy
         torch.cuda.empty_cache()
     return dict(cublas_tflops=round(peak_tflops, 1), rows=rows)
 

@@ -14,47 +14,18 @@ import time
 from pathlib import Path
 
 
-def _setups(geglu_layer_cls, M: int, D: int, H: int):
+def _setups(geglu, D: int, H: int):
     import torch
-    import torch.nn.functional as F
     from torch import nn
 
-    class GatedMLP(nn.Module):  # transformers' Gemma MLP
-        def __init__(self):
-            super().__init__()
-            self.gate_proj = nn.Linear(D, H, bias=False)
-            self.up_proj = nn.Linear(D, H, bias=False)
-            self.down_proj = nn.Linear(H, D, bias=False)
-            self.act_fn = nn.GELU(approximate="tanh")
+    from .bench import mlp_impls
 
-        def forward(self, x):
-            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-
-    dev, dt = "cuda", torch.bfloat16
-    lin = nn.Linear(D, H, bias=True).to(dev, dt)
-    mlp = GatedMLP().to(dev, dt)
-    ours = GatedMLP().to(dev, dt)
-    ours.load_state_dict(mlp.state_dict())
-    ours.forward = geglu_layer_cls.forward.__get__(ours)  # what kernelize does
-    setups = [
-        ("eager nn.Linear(bias=True)", lin, False),
-        ("compiled nn.Linear(bias=True)", torch.compile(lin), True),
-        ("eager GeGLU MLP", mlp, False),
-        ("compiled GeGLU MLP", torch.compile(mlp), True),
-    ]
-    try:
-        from liger_kernel.transformers.geglu import LigerGEGLUMLP  # type: ignore
-
-        class Cfg:
-            hidden_size, intermediate_size, hidden_act = D, H, "gelu_pytorch_tanh"
-
-        liger = LigerGEGLUMLP(Cfg()).to(dev, dt)
-        liger.load_state_dict(mlp.state_dict(), strict=False)
-        setups.append(("Liger LigerGEGLUMLP", liger, False))
-    except Exception as e:  # not installed
-        print(f"(Liger not available: {e})", file=sys.stderr)
-    setups.append(("ours GeGLUMLP (hub layer)", ours, False))
-    return setups
+    lin = nn.Linear(D, H, bias=True).to("cuda", torch.bfloat16)
+    mlps = mlp_impls(geglu, D, H)
+    names = {"eager": ("eager GeGLU MLP", False), "torch.compile": ("compiled GeGLU MLP", True),
+             "liger": ("Liger LigerGEGLUMLP", False), "ours": ("ours GeGLUMLP (hub layer)", False)}
+    return [("eager nn.Linear(bias=True)", lin, False), ("compiled nn.Linear(bias=True)", torch.compile(lin), True)] + [
+        (names[k][0], mod, names[k][1]) for k, mod in mlps.items()]
 
 
 def profile_setups(build_dir: Path, M: int = 8192, D: int = 768, H: int = 3072, trace_dir: Path | None = None,
@@ -66,7 +37,7 @@ def profile_setups(build_dir: Path, M: int = 8192, D: int = 768, H: int = 3072, 
 
     geglu = kernels.get_local_kernel(build_dir)
     rows = []
-    for name, mod, compiled in _setups(geglu.layers.GeGLUMLP, M, D, H):
+    for name, mod, compiled in _setups(geglu, D, H):
         x = torch.randn(M, D, device="cuda", dtype=torch.bfloat16)
         with torch.no_grad():
             for _ in range(3):
