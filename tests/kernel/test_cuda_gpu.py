@@ -15,7 +15,6 @@ NaN-poisoned outputs.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import json
 import os
 import sys
@@ -40,17 +39,8 @@ INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat
 
 # --- loading ---------------------------------------------------------------------------------------------------
 
+from kerneltools.cuda_ops import _import_variant  # noqa: E402  (what kernels' loader does, without kernels)
 
-def _import_variant(variant: Path):
-    """What kernels' loader does: import <variant>/__init__.py under metadata.id."""
-    name = json.loads((variant / "metadata.json").read_text())["id"]
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, variant / "__init__.py", submodule_search_locations=[str(variant)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
