@@ -69,6 +69,11 @@ def test_out_shape_and_dtype(geglu):
         geglu.geglu(_t(3, 4), _t(3, 4), out=torch.empty(3, 3))
 
 
+def test_out_must_be_a_tensor(geglu):
+    with pytest.raises(TypeError, match=r"out must be a torch.Tensor \(or None\), got str"):
+        geglu.geglu(_t(2, 4), _t(2, 4), out="x")
+
+
 def test_out_with_autograd_is_refused(geglu):
     g = _t(2, 4).requires_grad_()
     with pytest.raises(RuntimeError, match="out= is for inference"):

@@ -82,10 +82,13 @@ def _forward_into(out: Tensor, gate: Tensor, up: Tensor, approximate: str) -> No
         return
     d = gate.shape[-1]
     g2, u2 = _rows(gate, d), _rows(up, d)
-    try:
-        out2 = out.view(-1, d)
-    except RuntimeError:
-        out2 = None
+    if out.dim() == 2:
+        out2 = out
+    else:
+        try:
+            out2 = out.view(-1, d)
+        except RuntimeError:
+            out2 = None
     if out2 is not None:
         _run_fwd(out2, g2, u2, approximate)
     else:  # an out= tensor whose leading dims cannot be flattened: compute, then copy into it

@@ -48,6 +48,8 @@ def geglu(gate: Tensor, up: Tensor, approximate: str = "none", *, out: Optional[
     up afterwards, e.g. the outputs of gate/up projections).
     """
     if out is not None:
+        if not isinstance(out, Tensor):
+            raise TypeError(f"geglu: out must be a torch.Tensor (or None), got {type(out).__name__}.")
         if _fast_path(gate, up, out):
             check_split(gate, up, approximate, out)
             _impl._forward_into(out, gate, up, approximate)
