@@ -511,13 +511,16 @@ class Repo:
         if name == DEFAULT_BRANCH:
             raise HubError(403, f"Cannot delete the default branch '{DEFAULT_BRANCH}' of '{self.repo_id}'.")
         validate_ref_name(name, "branch")
-        ref = f"refs/heads/{name}"
-        sha = self.git("rev-parse", "--verify", "--quiet", ref, check=False)
-        if sha.returncode != 0:
+        self._delete_ref(f"refs/heads/{name}", name, "Branch")
+
+    def _delete_ref(self, ref: str, name: str, kind: str) -> None:
+        """Delete ``ref`` only if it still points where it did when read (compare-and-swap)."""
+        obj = self.git("rev-parse", "--verify", "--quiet", ref, check=False)
+        if obj.returncode != 0:
             raise revision_not_found(self.repo_id, name)
-        r = self.git("update-ref", "-d", ref, sha.stdout.decode().strip(), check=False)
+        r = self.git("update-ref", "-d", ref, obj.stdout.decode().strip(), check=False)
         if r.returncode != 0:
-            raise HubError(409, f"Branch '{name}' of '{self.repo_id}' changed while deleting it; retry.")
+            raise HubError(409, f"{kind} '{name}' of '{self.repo_id}' changed while deleting it; retry.")
 
     def create_tag(self, tag: str, rev: str, message: str | None = None) -> str:
         validate_ref_name(tag, "tag")
@@ -536,13 +539,7 @@ class Repo:
 
     def delete_tag(self, tag: str) -> None:
         validate_ref_name(tag, "tag")
-        ref = f"refs/tags/{tag}"
-        obj = self.git("rev-parse", "--verify", "--quiet", ref, check=False)
-        if obj.returncode != 0:
-            raise revision_not_found(self.repo_id, tag)
-        r = self.git("update-ref", "-d", ref, obj.stdout.decode().strip(), check=False)
-        if r.returncode != 0:
-            raise HubError(409, f"Tag '{tag}' of '{self.repo_id}' changed while deleting it; retry.")
+        self._delete_ref(f"refs/tags/{tag}", tag, "Tag")
 
 
 def _stale_parent(repo_id: str, rev: str, parent: str, head: str | None) -> HubError:
