@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
-import json
 import re
 import subprocess
 import sys
@@ -72,13 +70,11 @@ def main(argv=None) -> int:
     bdir = Path(tempfile.mkdtemp(prefix="geglu-aot-"))
     build(ROOT, bdir, variants=["cuda"], log=lambda *a: None)
     variant = bdir / "torch-cuda"
-    name = json.loads((variant / "metadata.json").read_text())["id"]
-    spec = importlib.util.spec_from_file_location(name, variant / "__init__.py",
-                                                  submodule_search_locations=[str(variant)])
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    kt = importlib.import_module(name + "._fused_mlp_triton")
+    sys.path.insert(0, str(ROOT))
+    from kerneltools.cuda_ops import _import_variant  # what kernels' loader does, without kernels
+
+    mod = _import_variant(variant)
+    kt = importlib.import_module(mod.__name__ + "._fused_mlp_triton")
     bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     out = args.out or Path(tempfile.mkdtemp(prefix="geglu-aot-out-"))
     out.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import json
 import os
 import sys
@@ -49,12 +48,10 @@ def load_package(build_dir: Path | None):
         build_dir = Path(tempfile.mkdtemp(prefix="geglu-build-"))
         build(ROOT, build_dir, variants=["cuda"], log=lambda *a: None)
     variant = build_dir / "torch-cuda"
-    name = json.loads((variant / "metadata.json").read_text())["id"]
-    spec = importlib.util.spec_from_file_location(name, variant / "__init__.py",
-                                                  submodule_search_locations=[str(variant)])
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
+    sys.path.insert(0, str(ROOT))
+    from kerneltools.cuda_ops import _import_variant  # what kernels' loader does, without kernels
+
+    mod = _import_variant(variant)
     return mod
 
 
