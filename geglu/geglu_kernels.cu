@@ -538,3 +538,55 @@ Status geglu_bwd(DType dtype, View2D d_gate, View2D d_up, View2D grad, View2D ga
 const char* status_string(Status status) { return cudaGetErrorString(static_cast<cudaError_t>(status)); }
 
 }  // namespace geglu
+
+// ---- plain C entry points ---------------------------------------------------------------------------------------
+// The package's eager fast path (torch-ext/geglu/_direct.py) calls these through ctypes: the same launches as the
+// ops, without the dispatcher's boxed call, which at decode sizes costs more than the kernel (docs/cuda.md). The
+// caller passes tensors it has validated as the ops do (dtype, shapes, unit last-dim stride, no partial overlap).
+// `dtype` is geglu::DType; strides are row strides in elements; the launch goes to `device` on `stream`.
+namespace {
+
+template <typename F>
+int on_device(int device, F&& launch) {
+  int current = -1;
+  cudaError_t err = cudaGetDevice(&current);
+  if (err != cudaSuccess) return err;
+  if (current != device && (err = cudaSetDevice(device)) != cudaSuccess) return err;
+  const int status = launch();
+  if (current != device) cudaSetDevice(current);
+  return status;
+}
+
+bool valid_dtype(int dtype) { return dtype >= 0 && dtype <= 2; }
+
+}  // namespace
+
+extern "C" {
+
+__attribute__((visibility("default"))) int geglu_c_fwd(int dtype, void* out, int64_t s_out, void* gate,
+                                                       int64_t s_gate, void* up, int64_t s_up, int64_t rows,
+                                                       int64_t cols, int tanh, int device, void* stream) {
+  if (!valid_dtype(dtype)) return cudaErrorInvalidValue;
+  return on_device(device, [&] {
+    return geglu::geglu_fwd(static_cast<geglu::DType>(dtype), geglu::View2D{out, s_out}, geglu::View2D{gate, s_gate},
+                            geglu::View2D{up, s_up}, rows, cols, tanh != 0, stream);
+  });
+}
+
+__attribute__((visibility("default"))) int geglu_c_bwd(int dtype, void* d_gate, int64_t s_dg, void* d_up,
+                                                       int64_t s_du, void* grad, int64_t s_dy, void* gate,
+                                                       int64_t s_gate, void* up, int64_t s_up, int64_t rows,
+                                                       int64_t cols, int tanh, int device, void* stream) {
+  if (!valid_dtype(dtype)) return cudaErrorInvalidValue;
+  return on_device(device, [&] {
+    return geglu::geglu_bwd(static_cast<geglu::DType>(dtype), geglu::View2D{d_gate, s_dg}, geglu::View2D{d_up, s_du},
+                            geglu::View2D{grad, s_dy}, geglu::View2D{gate, s_gate}, geglu::View2D{up, s_up}, rows,
+                            cols, tanh != 0, stream);
+  });
+}
+
+__attribute__((visibility("default"))) const char* geglu_c_error_string(int status) {
+  return cudaGetErrorString(static_cast<cudaError_t>(status));
+}
+
+}  // extern "C"

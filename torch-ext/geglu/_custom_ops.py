@@ -8,7 +8,7 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from . import _backend, _cpu
+from . import _backend, _cpu, _direct
 from ._checks import check_backward, check_packed, check_split
 from ._ops import add_op_namespace_prefix, ops
 
@@ -40,12 +40,15 @@ def _rows(t: Tensor, n: int) -> Tensor:
 
 _CUDA_FWD = ops.geglu_fwd.default if _backend.HAS_CUDA_LIB else None
 _CUDA_BWD = ops.geglu_bwd.default if _backend.HAS_CUDA_LIB else None
+_DIRECT = _direct.AVAILABLE
 
 
-def _run_fwd(out2: Tensor, g2: Tensor, u2: Tensor, approximate: str) -> None:
+def _run_fwd(out2: Tensor, g2: Tensor, u2: Tensor, approximate: str, fresh_out: bool = False) -> None:
     impl = _backend.impl_for(g2.device.type, g2.numel())
     if impl == "cuda":
-        _CUDA_FWD(out2, g2, u2, approximate == "tanh")
+        tanh = approximate == "tanh"
+        if not (_DIRECT and _direct.fwd(out2, g2, u2, tanh, fresh_out)):
+            _CUDA_FWD(out2, g2, u2, tanh)
     elif impl == "triton":
         _check_triton_device(g2)
         _triton().geglu_fwd(out2, g2, u2, approximate == "tanh")
@@ -56,7 +59,9 @@ def _run_fwd(out2: Tensor, g2: Tensor, u2: Tensor, approximate: str) -> None:
 def _run_bwd(dg2: Tensor, du2: Tensor, dy2: Tensor, g2: Tensor, u2: Tensor, approximate: str) -> None:
     impl = _backend.impl_for(g2.device.type, g2.numel())
     if impl == "cuda":
-        _CUDA_BWD(dg2, du2, dy2, g2, u2, approximate == "tanh")
+        tanh = approximate == "tanh"
+        if not (_DIRECT and _direct.bwd(dg2, du2, dy2, g2, u2, tanh)):
+            _CUDA_BWD(dg2, du2, dy2, g2, u2, tanh)
     elif impl == "triton":
         _check_triton_device(g2)
         _triton().geglu_bwd(dg2, du2, dy2, g2, u2, approximate == "tanh")
@@ -77,7 +82,8 @@ def _halves(x: Tensor, d: int, act_first: bool) -> Tuple[Tensor, Tensor]:
     return (a, b) if act_first else (b, a)
 
 
-def _forward_into(out: Tensor, gate: Tensor, up: Tensor, approximate: str) -> None:
+def _forward_into(out: Tensor, gate: Tensor, up: Tensor, approximate: str, fresh_out: bool = False) -> None:
+    """``fresh_out``: the caller allocated ``out`` (so it overlaps no input)."""
     if out.numel() == 0:
         return
     d = gate.shape[-1]
@@ -90,10 +96,10 @@ def _forward_into(out: Tensor, gate: Tensor, up: Tensor, approximate: str) -> No
         except RuntimeError:
             out2 = None
     if out2 is not None:
-        _run_fwd(out2, g2, u2, approximate)
+        _run_fwd(out2, g2, u2, approximate, fresh_out)
     else:  # an out= tensor whose leading dims cannot be flattened: compute, then copy into it
         tmp = torch.empty(g2.shape, dtype=out.dtype, device=out.device)
-        _run_fwd(tmp, g2, u2, approximate)
+        _run_fwd(tmp, g2, u2, approximate, True)
         out.copy_(tmp.view(out.shape))
 
 
@@ -123,7 +129,7 @@ def _viewable(t: Tensor, d: int) -> bool:
 def geglu(gate: Tensor, up: Tensor, approximate: str, inplace_backward: bool) -> Tensor:
     check_split(gate, up, approximate)
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    _forward_into(out, gate, up, approximate)
+    _forward_into(out, gate, up, approximate, True)
     return out
 
 
@@ -138,7 +144,7 @@ def geglu_packed(x: Tensor, approximate: str, act_first: bool, inplace_backward:
     d = check_packed(x, approximate)
     out = torch.empty(x.shape[:-1] + (d,), dtype=x.dtype, device=x.device)
     gate, up = _halves(x, d, act_first)
-    _forward_into(out, gate, up, approximate)
+    _forward_into(out, gate, up, approximate, True)
     return out
 
 
@@ -162,13 +168,44 @@ def _(out, gate, up, approximate):
 # --- backward ops -----------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op(add_op_namespace_prefix("geglu_backward"), mutates_args=())
-def geglu_backward(grad: Tensor, gate: Tensor, up: Tensor, approximate: str) -> Tuple[Tensor, Tensor]:
+def backward_new(grad: Tensor, gate: Tensor, up: Tensor, approximate: str) -> Tuple[Tensor, Tensor]:
     check_backward(grad, gate, up, approximate)
     d_gate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     d_up = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     _backward_into(d_gate, d_up, grad, gate, up, approximate)
     return d_gate, d_up
+
+
+def backward_inplace(grad: Tensor, gate: Tensor, up: Tensor, approximate: str) -> None:
+    check_backward(grad, gate, up, approximate)
+    d = gate.shape[-1]
+    if not (_viewable(gate, d) and _viewable(up, d)):
+        raise ValueError("geglu: in-place backward needs gate and up whose leading dims flatten to rows without a copy.")
+    _backward_into(gate, up, grad, gate, up, approximate)
+
+
+def packed_backward_new(grad: Tensor, x: Tensor, approximate: str, act_first: bool) -> Tensor:
+    d = check_packed(x, approximate)
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    gate, up = _halves(x, d, act_first)
+    d_gate, d_up = _halves(dx, d, act_first)
+    check_backward(grad, gate, up, approximate)
+    _backward_into(d_gate, d_up, grad, gate, up, approximate)
+    return dx
+
+
+def packed_backward_inplace(grad: Tensor, x: Tensor, approximate: str, act_first: bool) -> None:
+    d = check_packed(x, approximate)
+    gate, up = _halves(x, d, act_first)
+    check_backward(grad, gate, up, approximate)
+    if not _viewable(gate, d):
+        raise ValueError("geglu: in-place backward needs an x whose leading dims flatten to rows without a copy.")
+    _backward_into(gate, up, grad, gate, up, approximate)
+
+
+@torch.library.custom_op(add_op_namespace_prefix("geglu_backward"), mutates_args=())
+def geglu_backward(grad: Tensor, gate: Tensor, up: Tensor, approximate: str) -> Tuple[Tensor, Tensor]:
+    return backward_new(grad, gate, up, approximate)
 
 
 @geglu_backward.register_fake
@@ -181,11 +218,7 @@ def _(grad, gate, up, approximate):
 @torch.library.custom_op(add_op_namespace_prefix("geglu_backward_"), mutates_args=("gate", "up"))
 def geglu_backward_(grad: Tensor, gate: Tensor, up: Tensor, approximate: str) -> None:
     """In-place backward: d_gate is written over gate and d_up over up."""
-    check_backward(grad, gate, up, approximate)
-    d = gate.shape[-1]
-    if not (_viewable(gate, d) and _viewable(up, d)):
-        raise ValueError("geglu: in-place backward needs gate and up whose leading dims flatten to rows without a copy.")
-    _backward_into(gate, up, grad, gate, up, approximate)
+    backward_inplace(grad, gate, up, approximate)
 
 
 @geglu_backward_.register_fake
@@ -195,13 +228,7 @@ def _(grad, gate, up, approximate):
 
 @torch.library.custom_op(add_op_namespace_prefix("geglu_packed_backward"), mutates_args=())
 def geglu_packed_backward(grad: Tensor, x: Tensor, approximate: str, act_first: bool) -> Tensor:
-    d = check_packed(x, approximate)
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    gate, up = _halves(x, d, act_first)
-    d_gate, d_up = _halves(dx, d, act_first)
-    check_backward(grad, gate, up, approximate)
-    _backward_into(d_gate, d_up, grad, gate, up, approximate)
-    return dx
+    return packed_backward_new(grad, x, approximate, act_first)
 
 
 @geglu_packed_backward.register_fake
@@ -215,12 +242,7 @@ def _(grad, x, approximate, act_first):
 @torch.library.custom_op(add_op_namespace_prefix("geglu_packed_backward_"), mutates_args=("x",))
 def geglu_packed_backward_(grad: Tensor, x: Tensor, approximate: str, act_first: bool) -> None:
     """In-place packed backward: the gradient w.r.t. x is written over x."""
-    d = check_packed(x, approximate)
-    gate, up = _halves(x, d, act_first)
-    check_backward(grad, gate, up, approximate)
-    if not _viewable(gate, d):
-        raise ValueError("geglu: in-place backward needs an x whose leading dims flatten to rows without a copy.")
-    _backward_into(gate, up, grad, gate, up, approximate)
+    packed_backward_inplace(grad, x, approximate, act_first)
 
 
 @geglu_packed_backward_.register_fake
@@ -278,3 +300,62 @@ def _backward_packed(ctx, grad):
 
 
 geglu_packed.register_autograd(_backward_packed, setup_context=_setup_packed)
+
+
+# --- eager autograd -----------------------------------------------------------------------------------------------
+# The same forward and backward as the ops' registered autograd, as plain autograd.Functions calling the
+# implementations directly. Eager calls that record a gradient use these (functional.py): the custom op's Python
+# autograd layer costs ~100 µs of host time per forward+backward, more than the kernels at decode and small-batch
+# sizes. torch.compile, tracing and functorch transforms keep the ops.
+
+
+class EagerGeGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up, approximate, inplace_backward):
+        out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+        _forward_into(out, gate, up, approximate, True)
+        ctx.save_for_backward(gate, up)
+        ctx.approximate = approximate
+        ctx.inplace_backward = inplace_backward
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        grad = _contiguous_last_dim(grad)
+        gate, up = ctx.saved_tensors
+        if ctx.inplace_backward:
+            backward_inplace(grad, gate, up, ctx.approximate)
+            return gate, up, None, None
+        d_gate, d_up = backward_new(grad, gate, up, ctx.approximate)
+        return d_gate, d_up, None, None
+
+
+class EagerGeGLUPacked(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, approximate, act_first, inplace_backward):
+        d = check_packed(x, approximate)
+        out = torch.empty(x.shape[:-1] + (d,), dtype=x.dtype, device=x.device)
+        gate, up = _halves(x, d, act_first)
+        _forward_into(out, gate, up, approximate, True)
+        ctx.save_for_backward(x)
+        ctx.approximate = approximate
+        ctx.act_first = act_first
+        ctx.inplace_backward = inplace_backward
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        grad = _contiguous_last_dim(grad)
+        (x,) = ctx.saved_tensors
+        if ctx.inplace_backward:
+            packed_backward_inplace(grad, x, ctx.approximate, ctx.act_first)
+            return x, None, None, None
+        return packed_backward_new(grad, x, ctx.approximate, ctx.act_first), None, None, None
+
+
+# autograd.Function.apply's Python wrapper (default-argument binding, functorch checks: ~8 µs a call measured on
+# a CPU host) is skipped: callers use these only outside functorch transforms, with positional arguments.
+eager_geglu = super(torch.autograd.Function, EagerGeGLU).apply
+eager_geglu_packed = super(torch.autograd.Function, EagerGeGLUPacked).apply

@@ -1,0 +1,115 @@
+"""Eager fast path into the compiled CUDA library: its plain C entry points (``geglu_c_fwd`` / ``geglu_c_bwd`` in
+geglu/geglu_kernels.cu) called through ctypes.
+
+At decode sizes a GeGLU call is host-bound: the kernel takes ~2 µs of GPU time, while a boxed call through the
+dispatcher to the stable-ABI op measured 6.9 µs on the H200's host (benchmarks/results/h200/launch-overhead.txt).
+This path launches the same kernels with the same arguments, skipping the dispatcher. Callers validate the tensors
+first, exactly as for the ops (``_checks``); the op stays the path under torch.compile, for tensor subclasses and
+wherever this module is unavailable (no compiled library in this variant, or a library without the entry points).
+"""
+
+import ctypes
+import glob
+import os
+
+import torch
+
+from ._ops import HAS_CUDA_LIB
+
+_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_ELEMENT_SIZE = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
+
+_i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+
+
+def _find_entry_points():
+    """The library that `_ops` loaded (same directory, already in the process: RTLD_NOLOAD never loads another
+    copy), if it exports the C entry points."""
+    if not HAS_CUDA_LIB or not hasattr(os, "RTLD_NOLOAD"):
+        return None
+    here = os.path.dirname(os.path.abspath(__file__))
+    for path in sorted(glob.glob(os.path.join(here, "*.so"))):
+        try:
+            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+            fwd, bwd, err = lib.geglu_c_fwd, lib.geglu_c_bwd, lib.geglu_c_error_string
+        except (OSError, AttributeError):
+            continue
+        fwd.argtypes = [_int, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _int, _int, _ptr]
+        bwd.argtypes = [_int, _ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _int, _int, _ptr]
+        fwd.restype = bwd.restype = _int
+        err.argtypes, err.restype = [_int], ctypes.c_char_p
+        return fwd, bwd, err
+    return None
+
+
+_ENTRY = _find_entry_points()
+AVAILABLE = _ENTRY is not None
+_fwd, _bwd, _err = _ENTRY if AVAILABLE else (None, None, None)
+_stream = torch._C._cuda_getCurrentRawStream if AVAILABLE else None
+
+
+def _row_stride(t: torch.Tensor, rows: int, cols: int) -> int:
+    return t.stride(0) if rows > 1 else cols
+
+
+def _extent(t: torch.Tensor, rows: int, cols: int, stride: int):
+    start = t.data_ptr()
+    return start, start + ((rows - 1) * stride + cols) * _ELEMENT_SIZE[t.dtype]
+
+
+def _safe_output(out: torch.Tensor, rows: int, cols: int, inputs, others=()) -> bool:
+    """An output the kernels may write: rows that do not overlap each other, each input either exactly the output
+    (same data and row stride) or disjoint from it, and disjoint from the other outputs. Anything else goes to the
+    op, which names the problem."""
+    s = _row_stride(out, rows, cols)
+    if rows > 1 and s < cols:
+        return False
+    o0, o1 = _extent(out, rows, cols, s)
+    for t in inputs:
+        ts = _row_stride(t, rows, cols)
+        if t.data_ptr() == o0 and (rows <= 1 or ts == s):
+            continue
+        t0, t1 = _extent(t, rows, cols, ts)
+        if t0 < o1 and o0 < t1:
+            return False
+    for t in others:
+        t0, t1 = _extent(t, rows, cols, _row_stride(t, rows, cols))
+        if t0 < o1 and o0 < t1:
+            return False
+    return True
+
+
+def _raise(status: int, op: str) -> None:
+    raise RuntimeError(f"{op}: CUDA kernel launch failed: {_err(status).decode()}")
+
+
+def fwd(out2: torch.Tensor, g2: torch.Tensor, u2: torch.Tensor, tanh: bool, fresh_out: bool) -> bool:
+    """Launch the forward on 2-D row views; False (nothing launched) when the caller must use the op instead.
+    ``fresh_out``: out2 was allocated by the caller, so it cannot overlap the inputs."""
+    rows, cols = g2.shape
+    if not fresh_out and not _safe_output(out2, rows, cols, (g2, u2)):
+        return False
+    device = g2.get_device()
+    status = _fwd(_DTYPES[g2.dtype], out2.data_ptr(), _row_stride(out2, rows, cols), g2.data_ptr(),
+                  _row_stride(g2, rows, cols), u2.data_ptr(), _row_stride(u2, rows, cols), rows, cols, tanh, device,
+                  _stream(device))
+    if status:
+        _raise(status, "geglu_fwd")
+    return True
+
+
+def bwd(dg2: torch.Tensor, du2: torch.Tensor, dy2: torch.Tensor, g2: torch.Tensor, u2: torch.Tensor,
+        tanh: bool) -> bool:
+    """Launch the backward on 2-D row views (d_gate/d_up freshly allocated, or exactly gate/up); False when the
+    caller must use the op instead."""
+    rows, cols = g2.shape
+    if not (_safe_output(dg2, rows, cols, (dy2, g2, u2), (du2,)) and _safe_output(du2, rows, cols, (dy2, g2, u2))):
+        return False
+    device = g2.get_device()
+    status = _bwd(_DTYPES[g2.dtype], dg2.data_ptr(), _row_stride(dg2, rows, cols), du2.data_ptr(),
+                  _row_stride(du2, rows, cols), dy2.data_ptr(), _row_stride(dy2, rows, cols), g2.data_ptr(),
+                  _row_stride(g2, rows, cols), u2.data_ptr(), _row_stride(u2, rows, cols), rows, cols, tanh, device,
+                  _stream(device))
+    if status:
+        _raise(status, "geglu_bwd")
+    return True
