@@ -1,8 +1,9 @@
 """The public functions. Each validates its input and runs a torch.library op, so it works under
 torch.compile(fullgraph=True), in eager mode and with autograd, on CUDA (compiled library or Triton) and CPU.
 
-Plain eager calls that record no gradient take a fast path straight to the implementation (the same code the
-ops run), skipping the dispatcher's Python round trip: it matters at decode sizes, where a call is a few µs."""
+Plain eager calls take a fast path straight to the implementation (the same code the ops run), skipping the
+dispatcher's Python round trips; with a gradient to record, through an autograd.Function with the ops' backward.
+It matters at decode and small-batch sizes, where a call is a few µs of GPU time."""
 
 from typing import Optional
 
@@ -14,15 +15,35 @@ from ._checks import check_packed, check_split
 from ._ops import ops
 
 _is_compiling = torch.compiler.is_compiling
+_is_tracing = torch._C._is_tracing
 _functorch_active = torch._C._are_functorch_transforms_active
+_grad_enabled = torch.is_grad_enabled
+_empty_like = torch.empty_like
+_contiguous = torch.contiguous_format
+
+# How a call runs: through the torch.library op, or eagerly straight to the implementation (with or without a
+# gradient to record).
+_OP, _PLAIN, _AUTOGRAD = 0, 1, 2
+
+
+def _mode(a: Tensor, b: Optional[Tensor] = None) -> int:
+    """_PLAIN / _AUTOGRAD for a plain eager call (no graph capture or tracing, no tensor subclass such as fake or
+    functional tensors, no functorch transform), _OP otherwise. The eager paths run the same implementations as
+    the ops, without the dispatcher's Python round trips (a few µs at decode sizes, ~100 µs with autograd)."""
+    if _is_compiling() or _is_tracing() or _functorch_active() or type(a) is not Tensor:
+        return _OP
+    if b is not None and type(b) is not Tensor:
+        return _OP
+    if _grad_enabled() and (a.requires_grad or (b is not None and b.requires_grad)):
+        return _AUTOGRAD
+    return _PLAIN
 
 
 def _fast_path(*tensors: Tensor) -> bool:
-    """True for a plain eager call: no graph capture or tracing, no tensor subclass (fake, functional, ...), no
-    functorch transform, and nothing to differentiate."""
-    if _is_compiling() or torch.jit.is_tracing() or _functorch_active():
+    """True for a plain eager call that records no gradient."""
+    if _is_compiling() or _is_tracing() or _functorch_active():
         return False
-    grad = torch.is_grad_enabled()
+    grad = _grad_enabled()
     for t in tensors:
         if type(t) is not Tensor or (grad and t.requires_grad):
             return False
@@ -47,22 +68,26 @@ def geglu(gate: Tensor, up: Tensor, approximate: str = "none", *, out: Optional[
     gradients over ``gate`` and ``up`` (saves two activation-sized buffers; only when nothing else reads gate or
     up afterwards, e.g. the outputs of gate/up projections).
     """
-    if out is not None:
-        if not isinstance(out, Tensor):
-            raise TypeError(f"geglu: out must be a torch.Tensor (or None), got {type(out).__name__}.")
-        if _fast_path(gate, up, out):
-            check_split(gate, up, approximate, out)
-            _impl._forward_into(out, gate, up, approximate)
-            return out
-        _no_autograd_with_out(gate, up)
-        ops.geglu_out.default(out, gate, up, approximate)
+    if out is None:
+        mode = _mode(gate, up)
+        if mode == _PLAIN:
+            check_split(gate, up, approximate)
+            res = _empty_like(gate, memory_format=_contiguous)
+            _impl._forward_into(res, gate, up, approximate, True)
+            return res
+        if mode == _AUTOGRAD:
+            check_split(gate, up, approximate)
+            return _impl.eager_geglu(gate, up, approximate, inplace_backward)
+        return ops.geglu.default(gate, up, approximate, inplace_backward)
+    if not isinstance(out, Tensor):
+        raise TypeError(f"geglu: out must be a torch.Tensor (or None), got {type(out).__name__}.")
+    if _fast_path(gate, up, out):
+        check_split(gate, up, approximate, out)
+        _impl._forward_into(out, gate, up, approximate)
         return out
-    if _fast_path(gate, up):
-        check_split(gate, up, approximate)
-        res = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-        _impl._forward_into(res, gate, up, approximate)
-        return res
-    return ops.geglu.default(gate, up, approximate, inplace_backward)
+    _no_autograd_with_out(gate, up)
+    ops.geglu_out.default(out, gate, up, approximate)
+    return out
 
 
 def geglu_packed(x: Tensor, approximate: str = "none", *, act_first: bool = True, out: Optional[Tensor] = None,
@@ -78,12 +103,15 @@ def geglu_packed(x: Tensor, approximate: str = "none", *, act_first: bool = True
         d = check_packed(x, approximate, out)
         gate, up = _impl._halves(x, d, act_first)
         return geglu(gate, up, approximate, out=out)
-    if _fast_path(x):
+    mode = _mode(x)
+    if mode == _PLAIN:
         d = check_packed(x, approximate)
         res = torch.empty(x.shape[:-1] + (d,), dtype=x.dtype, device=x.device)
         gate, up = _impl._halves(x, d, act_first)
-        _impl._forward_into(res, gate, up, approximate)
+        _impl._forward_into(res, gate, up, approximate, True)
         return res
+    if mode == _AUTOGRAD:
+        return _impl.eager_geglu_packed(x, approximate, act_first, inplace_backward)
     return ops.geglu_packed.default(x, approximate, act_first, inplace_backward)
 
 
