@@ -235,6 +235,64 @@ def _geglu_bwd_kernel(grad_ptr, gate_ptr, up_ptr, dg_ptr, du_ptr, M, N,
     tl.store(du_ptr + rows[:, None] * stride_du + cols[None, :], _round(d_up, T), mask=mask)
 
 
+@triton.jit
+def _geglu_fwd_flat_kernel(gate_ptr, up_ptr, out_ptr, n,
+                           TANH: tl.constexpr, BLOCK: tl.constexpr, EVEN: tl.constexpr, WIDE: tl.constexpr,
+                           K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr):
+    """The forward on contiguous tensors seen as one flat row of n elements: no row arithmetic, and no masks when
+    BLOCK divides n (EVEN). WIDE: 64-bit offsets (n >= 2^31)."""
+    pid = tl.program_id(0)
+    if WIDE:
+        pid = pid.to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    if EVEN:
+        g = tl.load(gate_ptr + offs)
+        u = tl.load(up_ptr + offs)
+    else:
+        mask = offs < n
+        g = tl.load(gate_ptr + offs, mask=mask, other=0.0)
+        u = tl.load(up_ptr + offs, mask=mask, other=0.0)
+    T = out_ptr.dtype.element_ty
+    h = _round(_gelu(g.to(tl.float32), TANH, K_BETA_TANH, K_KAPPA, K_ALPHA), T).to(tl.float32)
+    out = _round(h * u.to(tl.float32), T)
+    if EVEN:
+        tl.store(out_ptr + offs, out)
+    else:
+        tl.store(out_ptr + offs, out, mask=mask)
+
+
+@triton.jit
+def _geglu_bwd_flat_kernel(grad_ptr, gate_ptr, up_ptr, dg_ptr, du_ptr, n,
+                           TANH: tl.constexpr, BLOCK: tl.constexpr, EVEN: tl.constexpr, WIDE: tl.constexpr,
+                           K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr,
+                           K_BETA_ERF: tl.constexpr, K_3KAPPA: tl.constexpr):
+    """The backward on contiguous tensors seen as one flat row (see _geglu_fwd_flat_kernel)."""
+    pid = tl.program_id(0)
+    if WIDE:
+        pid = pid.to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    if EVEN:
+        dy = tl.load(grad_ptr + offs).to(tl.float32)
+        x = tl.load(gate_ptr + offs).to(tl.float32)
+        u = tl.load(up_ptr + offs).to(tl.float32)
+    else:
+        mask = offs < n
+        dy = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    T = dg_ptr.dtype.element_ty
+    h = _round(_gelu(x, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA), T).to(tl.float32)
+    d_up = _round(dy * h, T)
+    d_h = _round(dy * u, T).to(tl.float32)
+    d_gate = _round(d_h * _gelu_grad(x, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA), T)
+    if EVEN:
+        tl.store(dg_ptr + offs, d_gate)
+        tl.store(du_ptr + offs, d_up)
+    else:
+        tl.store(dg_ptr + offs, d_gate, mask=mask)
+        tl.store(du_ptr + offs, d_up, mask=mask)
+
+
 _SM_COUNT = {}
 _PLANS = {}
 
@@ -279,6 +337,36 @@ def _plan(M: int, N: int, t: torch.Tensor, tensors: int):
     return plan
 
 
+# Flat kernels: (elements per program, warps) for 2-byte and 4-byte dtypes. FLAT_TILES is set from
+# benchmarks/tune_triton.py on an H200 (benchmarks/results/h200/tune-triton.txt).
+FLAT_TILES = {2: (2048, 4), 4: (1024, 4)}
+
+
+def _flat_plan(n: int, t: torch.Tensor):
+    key = (n, t.element_size(), t.device, "flat")
+    plan = _PLANS.get(key)
+    if plan is None:
+        block, num_warps = FLAT_TILES[2 if t.element_size() <= 2 else 4]
+        sms = _sm_count(t.device)
+        while block > 256 and triton.cdiv(n, block) < 2 * sms:
+            block //= 2
+            num_warps = max(1, min(num_warps, block // 256))
+        plan = ((triton.cdiv(n, block),), block, num_warps, n % block == 0, n >= 2**31 - block)
+        if len(_PLANS) < 4096:
+            _PLANS[key] = plan
+    return plan
+
+
+def _flat(M: int, N: int, *tensors: torch.Tensor) -> bool:
+    """All tensors are one contiguous block of M*N elements (rows follow each other without gaps)."""
+    if M == 1:
+        return True
+    for t in tensors:
+        if t.stride(0) != N:
+            return False
+    return True
+
+
 def _device_guard(t: torch.Tensor):
     """Triton launches on the current device: switch only when the tensors live elsewhere (the switch costs
     more than a decode-sized kernel)."""
@@ -291,6 +379,15 @@ def geglu_fwd(out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, tanh: boo
     """out[M, N] = gelu(gate) * up on 2-D row-strided tensors (the caller validated them)."""
     M, N = gate.shape
     if M == 0 or N == 0:
+        return
+    if _flat(M, N, out, gate, up):
+        grid, block, num_warps, even, wide = _flat_plan(M * N, gate)
+        with _device_guard(gate):
+            _geglu_fwd_flat_kernel[grid](
+                gate, up, out, M * N, TANH=tanh, BLOCK=block, EVEN=even, WIDE=wide,
+                K_BETA_TANH=K_BETA_TANH, K_KAPPA=K_KAPPA, K_ALPHA=K_ALPHA,
+                num_warps=num_warps, enable_fp_fusion=False,
+            )
         return
     grid, block_m, block_n, num_warps = _plan(M, N, gate, 3)
     with _device_guard(gate):
@@ -307,6 +404,15 @@ def geglu_bwd(d_gate: torch.Tensor, d_up: torch.Tensor, grad: torch.Tensor, gate
     """d_gate, d_up from grad, gate, up (2-D row-strided; d_gate may alias gate and d_up alias up)."""
     M, N = gate.shape
     if M == 0 or N == 0:
+        return
+    if _flat(M, N, d_gate, d_up, grad, gate, up):
+        grid, block, num_warps, even, wide = _flat_plan(M * N, gate)
+        with _device_guard(gate):
+            _geglu_bwd_flat_kernel[grid](
+                grad, gate, up, d_gate, d_up, M * N, TANH=tanh, BLOCK=block, EVEN=even, WIDE=wide,
+                K_BETA_TANH=K_BETA_TANH, K_KAPPA=K_KAPPA, K_ALPHA=K_ALPHA, K_BETA_ERF=K_BETA_ERF, K_3KAPPA=K_3KAPPA,
+                num_warps=num_warps, enable_fp_fusion=False,
+            )
         return
     grid, block_m, block_n, num_warps = _plan(M, N, gate, 5)
     with _device_guard(gate):
