@@ -374,6 +374,9 @@ def main(argv=None) -> int:
     ap.add_argument("--build-dir", type=Path, default=None, help="an existing build tree (else built here)")
     ap.add_argument("--approximate", default="tanh", choices=["tanh", "none"])
     ap.add_argument("--quick", action="store_true", help="default config only (no tile sweep)")
+    ap.add_argument("--sweep", choices=["tiles", "epilogue"], default="tiles",
+                    help="which forward config list to sweep: SWEEP (tiles) or EPILOGUE_SWEEP")
+    ap.add_argument("--no-bwd-sweep", action="store_true", help="the backward's default config only")
     ap.add_argument("--shapes", nargs="*", default=None, help="MxDxH ... (default: the three benchmark shapes)")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shapes on CPU under the Triton interpreter: checks this script, not speed")
@@ -392,6 +395,10 @@ def main(argv=None) -> int:
         fm.DECODE_MAX_M = 16
         kt.SWEEP[:] = [kt.Config(16, 16, 16, 2, 1, 1, tma=False), kt.Config(16, 16, 16, 2, 1, 1, persistent=True)]
         args.shapes = args.shapes or ["32x32x48", "16x32x48"]
+    if args.sweep == "epilogue":
+        kt.SWEEP[:] = kt.EPILOGUE_SWEEP
+    if args.no_bwd_sweep:
+        kt.BWD_SWEEP[:] = []
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
     result = dict(device=torch.cuda.get_device_name() if DEV == "cuda" else "cpu (smoke)", torch=torch.__version__, triton=triton.__version__,
                   cublas_tflops=round(cublas_tflops(), 1), shapes=[])

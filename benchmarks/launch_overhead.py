@@ -38,9 +38,17 @@ def main():
             g, g, out, 1, 14336, 14336, 14336, 14336, TANH=True, BLOCK_M=1, BLOCK_N=1024, **c),
         "triton geglu_fwd()": lambda: tr.geglu_fwd(out, g, g, True),
     }
+    rows["torch.mul(g, u) (one aten op)"] = lambda: torch.mul(g, g)
     if geglu.HAS_CUDA_LIB:
         op = geglu.ops.geglu_fwd.default
         rows["cuda op (OpOverload)"] = lambda: op(out, g, g, True)
+        direct = importlib.import_module(geglu.__name__ + "._direct")
+        if direct.AVAILABLE:
+            rows["cuda C entry (ctypes), out given"] = lambda: direct.fwd(out, g, g, True, True)
+    gg = g.clone().requires_grad_()
+    dy = torch.randn_like(g)
+    rows["autograd eager fwd+bwd"] = lambda: torch.autograd.grad(F.gelu(gg, approximate="tanh") * gg, [gg], dy)
+    rows["autograd eager fwd"] = lambda: F.gelu(gg, approximate="tanh") * gg
     for name in ("cuda", "triton"):
         if name == "cuda" and not geglu.HAS_CUDA_LIB:
             continue
@@ -48,6 +56,8 @@ def main():
         rows[f"{name}: _forward_into"] = lambda: co._forward_into(out, g, g, "tanh")
         rows[f"{name}: geglu(out=)"] = lambda: geglu.geglu(g, g, "tanh", out=out)
         rows[f"{name}: geglu()"] = lambda: geglu.geglu(g, g, "tanh")
+        rows[f"{name}: autograd geglu() fwd"] = lambda: geglu.geglu(gg, gg, "tanh")
+        rows[f"{name}: autograd geglu() fwd+bwd"] = lambda: torch.autograd.grad(geglu.geglu(gg, gg, "tanh"), [gg], dy)
         for label, fn in list(rows.items()):
             if label.startswith(name + ":"):
                 print(f"{label:<40} {per_call_us(fn):8.2f} us/call")

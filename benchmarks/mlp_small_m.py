@@ -48,12 +48,19 @@ def main():
         "mm out [H,D] via torch.mm(g.t(), x)": lambda: torch.mm(g.t(), x.detach()),
     }.items():
         print(f"{label:<40} {_median_us(fn):9.1f} us")
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        variants["eager"]()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    for name in ("eager", "ours"):
+        for _ in range(3):
+            variants[name]()
         torch.cuda.synchronize()
-        variants["ours"]()
-        torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
+        with torch.profiler.profile(activities=acts) as prof:
+            for _ in range(5):
+                variants[name]()
+            torch.cuda.synchronize()
+        print(f"--- {name}: 5 x fwd+bwd, by self CPU time")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14))
+        print(f"--- {name}: by GPU time")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=10))
 
 
 if __name__ == "__main__":

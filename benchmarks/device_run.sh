@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One device call's work on the H200 (the device tool runs it in the repository root; results go to $OUT).
+# Prepare here first: `python -m kerneltools build --capability 9.0` (carried as `build`) and the wheels in `.whl`
+# (docs/status.md lists them; carried as `.whl`). Then, e.g.:
+#   run(command="bash benchmarks/device_run.sh overhead tune tests", carry=["build", ".whl"])
+# Steps (in the order given): overhead, smallm, tune, tests, transformers, fused, bench, profile, sanitize.
+# Each step is time-limited and logged to $OUT/<step>.log; a failing step does not stop the later ones.
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || exit 1
+export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH GEGLU_BUILD_DIR=$PWD/build
+export GEGLU_COMMIT=${GEGLU_COMMIT:-$(cat .commit 2>/dev/null || echo unknown)}
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv,noheader
+
+step() {  # step NAME SECONDS COMMAND...
+  local name=$1 secs=$2
+  shift 2
+  echo "=== $name ($(date +%T))"
+  timeout "$secs" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n "${TAIL:-40}" "$OUT/$name.log"
+  echo "=== $name rc=$rc"
+}
+
+for s in "$@"; do
+  case $s in
+    overhead) step overhead 120 python3 benchmarks/launch_overhead.py --build-dir build ;;
+    smallm) step smallm 120 python3 benchmarks/mlp_small_m.py --build-dir build ;;
+    tune) step tune 300 python3 benchmarks/tune_triton.py --build-dir build --flat-only ;;
+    tests) step tests 300 python3 -m pytest tests/kernel -q -x -p no:cacheprovider ;;
+    transformers) step transformers 400 python3 -m pytest tests/tools/test_transformers_kernelize.py -q -x \
+        -p no:cacheprovider ;;
+    fused) step fused 420 python3 benchmarks/bench_fused_mlp.py --build-dir build --shapes 8192x4096x14336 \
+        --sweep epilogue --no-bwd-sweep --out "$OUT" ;;
+    bench) step bench 480 python3 -m kerneltools bench --build-dir build --out "$OUT" ;;
+    profile) step profile 240 python3 -m kerneltools profile --build-dir build --out "$OUT" ;;
+    sanitize) step sanitize 300 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
+        --error-exitcode 1 python3 -m kerneltools.sanitize ;;
+    *) echo "unknown step $s" ;;
+  esac
+done
