@@ -518,8 +518,10 @@ def _compile_and_link(cfg, tmp: Path, so: Path, key: str, cu_key: str, cu_files,
         f'__attribute__((used, visibility("hidden"))) const char kerneltools_build_key[] = "{KEY_MARKER.decode()}{key}";\n'
     )
     (gen / "stub.c").write_text(STUB_C)
-    # Export only PyInit_<OPS>: no libstdc++ template instances leak into (or interpose on) other libraries.
-    (gen / "exports.map").write_text(f"{{\n  global: PyInit_{so.name.split('.')[0]};\n  local: *;\n}};\n")
+    # Export only PyInit_<OPS> and the kernels' plain C entry points (geglu_c_*, for the package's ctypes fast
+    # path): no libstdc++ template instances leak into (or interpose on) other libraries.
+    (gen / "exports.map").write_text(
+        f"{{\n  global: PyInit_{so.name.split('.')[0]}; geglu_c_*;\n  local: *;\n}};\n")
     stub_dir = tmp / "stub"
     stub_dir.mkdir()
 

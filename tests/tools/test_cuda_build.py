@@ -178,7 +178,8 @@ def test_linking_and_exports(built):
         for line in syms.splitlines()
         if re.search(r"\b(FUNC|OBJECT)\b", line) and " UND " not in line and "GLOBAL" in line
     }
-    assert exported == {f"PyInit_{built.ops}"}
+    # the Python module's init and the plain C entry points of the package's ctypes fast path (_direct.py)
+    assert exported == {f"PyInit_{built.ops}", "geglu_c_fwd", "geglu_c_bwd", "geglu_c_error_string"}
 
 
 # --- the kernels loader on a CPU torch -----------------------------------------------------------------------
@@ -267,6 +268,13 @@ def test_library_loads_and_registers_schemas(built, tmp_path):
         "print(str(ns.geglu_bwd.default._schema))\n"
         "x = torch.zeros(2, 4)\n"
         "try:\n    ns.geglu_fwd(x, x, x, False)\nexcept NotImplementedError as e:\n    print('no CPU kernel')\n"
+        # the C entry points reject a bad dtype code before touching CUDA (cudaErrorInvalidValue = 1)
+        "import ctypes\n"
+        f"lib = ctypes.CDLL({str(built.so)!r})\n"
+        "i64, p = ctypes.c_int64, ctypes.c_void_p\n"
+        "lib.geglu_c_fwd.argtypes = [ctypes.c_int, p, i64, p, i64, p, i64, i64, i64, ctypes.c_int, ctypes.c_int, p]\n"
+        "lib.geglu_c_error_string.restype = ctypes.c_char_p\n"
+        "print(lib.geglu_c_fwd(7, None, 0, None, 0, None, 0, 1, 1, 0, 0, None), lib.geglu_c_error_string(1).decode())\n"
     )
     env = dict(os.environ, LD_LIBRARY_PATH=f"{tmp_path}:{cudart}", LD_BIND_NOW="1")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
@@ -275,6 +283,7 @@ def test_library_loads_and_registers_schemas(built, tmp_path):
     assert lines[0] == f"{built.ops}::{SCHEMAS['geglu_fwd']}"
     assert lines[1] == f"{built.ops}::{SCHEMAS['geglu_bwd']}"
     assert lines[2] == "no CPU kernel"  # registered for the CUDA dispatch key only
+    assert lines[3] == "1 invalid argument"
 
 
 def test_sass_uses_128bit_accesses_and_no_local_memory(built):

@@ -42,10 +42,10 @@ def _find_entry_points():
     return None
 
 
-_ENTRY = _find_entry_points()
+_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent from CPU-only torch builds
+_ENTRY = _find_entry_points() if _stream is not None else None
 AVAILABLE = _ENTRY is not None
 _fwd, _bwd, _err = _ENTRY if AVAILABLE else (None, None, None)
-_stream = torch._C._cuda_getCurrentRawStream if AVAILABLE else None
 
 
 def _row_stride(t: torch.Tensor, rows: int, cols: int) -> int:
