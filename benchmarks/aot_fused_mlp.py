@@ -100,6 +100,7 @@ def main(argv=None) -> int:
             u_view.stride(0), TANH=args.approximate == "tanh", SAVE=save, TMA=cfg.tma, DOT_F32=False,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
             PERSISTENT=cfg.persistent, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
+            FAST_EPI=cfg.fast_epi,
             K_BETA_TANH=kt.K_BETA_TANH, K_KAPPA=kt.K_KAPPA, K_ALPHA=kt.K_ALPHA,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, **kt._maxnreg(cfg), grid=(1,))
 

@@ -3,7 +3,7 @@
 # Prepare here first: `python -m kerneltools build --capability 9.0` (carried as `build`) and the wheels in `.whl`
 # (docs/status.md lists them; carried as `.whl`). Then, e.g.:
 #   run(command="bash benchmarks/device_run.sh overhead tune tests", carry=["build", ".whl"])
-# Steps (in the order given): overhead, smallm, tune, tests, transformers, fused, bench, profile, sanitize.
+# Steps (in the order given): overhead, autograd, smallm, tune, tests, transformers, fused, bench, profile, sanitize.
 # Each step is time-limited and logged to $OUT/<step>.log; a failing step does not stop the later ones.
 set -u
 export PYTHONUNBUFFERED=1
@@ -28,6 +28,7 @@ step() {  # step NAME SECONDS COMMAND...
 for s in "$@"; do
   case $s in
     overhead) step overhead 120 python3 benchmarks/launch_overhead.py --build-dir build ;;
+    autograd) step autograd 120 python3 benchmarks/autograd_overhead.py --build-dir build ;;
     smallm) step smallm 120 python3 benchmarks/mlp_small_m.py --build-dir build ;;
     tune) step tune 300 python3 benchmarks/tune_triton.py --build-dir build --flat-only ;;
     tests) step tests 300 python3 -m pytest tests/kernel -q -x -p no:cacheprovider ;;

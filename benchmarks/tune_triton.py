@@ -47,7 +47,7 @@ def _experiments(tr):
     return fwd_stream, fwd_persistent
 
 
-def flat_sweep(tr, floor, consts, bconsts):
+def flat_sweep(tr, floor, consts, bconsts, experiments=False):
     """The flat kernels' (BLOCK, warps) and the experimental variants, bf16, at the benchmark shapes."""
     fwd_stream, fwd_persistent = _experiments(tr)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -70,7 +70,7 @@ def flat_sweep(tr, floor, consts, bconsts):
                 tf, tb = _median_us(f, 100), _median_us(b, 100)
                 res.append((f"flat {block}", w, tf, 100 * 3 * E / (tf * 1e-6) / 1e12 / floor, tb,
                             100 * 5 * E / (tb * 1e-6) / 1e12 / floor))
-            for block, w in [(2048, 4), (1024, 4), (4096, 8)]:
+            for block, w in [(2048, 4), (1024, 4), (4096, 8)] if experiments else []:
                 if n % block:
                     continue
                 grid = (n // block,)
@@ -100,6 +100,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--build-dir", type=Path, default=Path("build"))
     ap.add_argument("--flat-only", action="store_true", help="only the flat kernels and the decode rows")
+    ap.add_argument("--experiments", action="store_true", help="also the experimental flat variants")
     args = ap.parse_args()
     import kernels
 
@@ -109,7 +110,7 @@ def main():
     print(f"copy floor {floor:.3f} TB/s")
     consts = dict(K_BETA_TANH=tr.K_BETA_TANH, K_KAPPA=tr.K_KAPPA, K_ALPHA=tr.K_ALPHA)
     bconsts = dict(consts, K_BETA_ERF=tr.K_BETA_ERF, K_3KAPPA=tr.K_3KAPPA)
-    flat_sweep(tr, floor, consts, bconsts)
+    flat_sweep(tr, floor, consts, bconsts, args.experiments)
     for (M, N) in [] if args.flat_only else [(8192, 14336), (4096, 9216), (16384, 24576), (8192, 3072)]:
         g = (torch.randn(M, N, device="cuda") * 3).bfloat16()
         u = torch.randn(M, N, device="cuda").bfloat16()

@@ -322,8 +322,12 @@ class EagerGeGLU(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        grad = _contiguous_last_dim(grad)
         gate, up = ctx.saved_tensors
+        if _DIRECT:
+            grads = _direct.lean_bwd(grad, gate, up, ctx.approximate == "tanh", ctx.inplace_backward)
+            if grads is not None:
+                return grads[0], grads[1], None, None
+        grad = _contiguous_last_dim(grad)
         if ctx.inplace_backward:
             backward_inplace(grad, gate, up, ctx.approximate)
             return gate, up, None, None

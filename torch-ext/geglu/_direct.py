@@ -13,7 +13,9 @@ import glob
 import os
 
 import torch
+from torch import Tensor
 
+from . import _backend
 from ._ops import HAS_CUDA_LIB
 
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -113,3 +115,64 @@ def bwd(dg2: torch.Tensor, du2: torch.Tensor, dy2: torch.Tensor, g2: torch.Tenso
     if status:
         _raise(status, "geglu_bwd")
     return True
+
+
+# --- the lean eager path --------------------------------------------------------------------------------------------
+# A decode-sized call is all host time (on the H200's host one aten op is ~7 µs, most of it the launch), so the
+# common case gets the fewest Python steps that still check everything the ops check: plain contiguous CUDA tensors
+# of one supported dtype, shape and device, nothing to differentiate, no compile/trace/functorch, the compiled
+# library chosen for this size. Anything else returns None and takes the general path.
+
+_TANH = {"tanh": 1, "none": 0}
+_is_compiling = torch.compiler.is_compiling
+_is_tracing = torch._C._is_tracing
+_functorch_active = torch._C._are_functorch_transforms_active
+_grad_enabled = torch.is_grad_enabled
+_empty_like = torch.empty_like
+
+
+def lean_fwd(gate, up, approximate):
+    """``gelu(gate) * up`` for the common eager call, or None when the call needs the general path."""
+    if type(gate) is not Tensor or type(up) is not Tensor or not gate.is_cuda or _is_compiling():
+        return None
+    dt = _DTYPES.get(gate.dtype)
+    tanh = _TANH.get(approximate)
+    if dt is None or tanh is None or up.dtype != gate.dtype or up.shape != gate.shape:
+        return None
+    n = gate.numel()
+    if n == 0 or n >= _backend.CUDA_LIB_BELOW or _backend._backend == "triton":
+        return None
+    if not (gate.is_contiguous() and up.is_contiguous()) or _is_tracing() or _functorch_active():
+        return None
+    if _grad_enabled() and (gate.requires_grad or up.requires_grad):
+        return None
+    device = gate.get_device()
+    if up.get_device() != device:
+        return None
+    out = _empty_like(gate)
+    status = _fwd(dt, out.data_ptr(), n, gate.data_ptr(), n, up.data_ptr(), n, 1, n, tanh, device, _stream(device))
+    if status:
+        _raise(status, "geglu_fwd")
+    return out
+
+
+def lean_bwd(grad, gate, up, tanh, inplace):
+    """(d_gate, d_up) for autograd's call on contiguous CUDA tensors at library sizes (the forward validated gate
+    and up; autograd gives grad the output's shape and dtype), or None for the general path. ``inplace``: written
+    over gate and up (the kernel reads each element before it writes it)."""
+    n = gate.numel()
+    if (n == 0 or n >= _backend.CUDA_LIB_BELOW or _backend._backend == "triton" or not gate.is_cuda
+            or type(grad) is not Tensor or grad.dtype != gate.dtype or grad.shape != gate.shape
+            or not (grad.is_contiguous() and gate.is_contiguous() and up.is_contiguous())):
+        return None
+    if inplace:
+        gp, up_ = gate.data_ptr(), up.data_ptr()
+        if abs(gp - up_) < n * gate.element_size():  # the two outputs would overlap
+            return None
+    device = gate.get_device()
+    d_gate, d_up = (gate, up) if inplace else (_empty_like(gate), _empty_like(gate))
+    status = _bwd(_DTYPES[gate.dtype], d_gate.data_ptr(), n, d_up.data_ptr(), n, grad.data_ptr(), n, gate.data_ptr(),
+                  n, up.data_ptr(), n, 1, n, tanh, device, _stream(device))
+    if status:
+        _raise(status, "geglu_bwd")
+    return d_gate, d_up

@@ -65,35 +65,35 @@ if INTERPRET:
 else:
     # CUDA's erff, tanhf and expf (libdevice, CUDA 13), as nvcc emits them for sm_90, in PTX: identical
     # instructions to eager's kernels whatever libdevice the installed Triton bundles, and no FMA contraction
-    # across the call boundary that nvcc would not do. The branch of erff is turned into a select.
+    # across the call boundary that nvcc would not do.
+    # erff evaluates one of two polynomials by |x| < 1.00295 (0x3F8060FE); both are evaluated here and the result
+    # selected (the same instructions for each branch as libdevice, so the same bits): fewer instructions than
+    # selecting each coefficient, and the forward erf GELU is instruction-bound at full bandwidth.
     _ERF_PTX = tl.constexpr("""{
-    .reg .pred p1, p2;
-    .reg .f32 a, s, t, c0, c1, r, e;
+    .reg .pred p;
+    .reg .f32 a, s, rs, rb, na, e;
     abs.f32 a, $1;
-    setp.ltu.f32 p1, a, 0f3F8060FE;
-    setp.ge.f32 p2, a, 0f3F8060FE;
     mul.f32 s, $1, $1;
-    selp.f32 t, a, s, p2;
-    selp.f32 c0, 0f38EB4C3A, 0f38B1E96A, p2;
-    selp.f32 c1, 0fBAAE005B, 0fBA574D20, p2;
-    fma.rn.f32 r, c0, t, c1;
-    selp.f32 c1, 0f3C09919F, 0f3BAAD5EA, p2;
-    fma.rn.f32 r, r, t, c1;
-    selp.f32 c1, 0fBD24D99A, 0fBCDC1BE7, p2;
-    fma.rn.f32 r, r, t, c1;
-    selp.f32 c1, 0f3E235519, 0f3DE718AF, p2;
-    fma.rn.f32 r, r, t, c1;
-    selp.f32 c1, 0f3F69B4F9, 0fBEC093AC, p2;
-    fma.rn.f32 r, r, t, c1;
-    selp.f32 c1, 0f3F210A14, 0f3E0375D3, p2;
-    fma.rn.f32 r, r, t, c1;
-    neg.f32 s, a;
-    selp.f32 s, s, $1, p2;
-    fma.rn.f32 r, r, s, s;
-    ex2.approx.ftz.f32 e, r;
+    fma.rn.f32 rs, 0f38B1E96A, s, 0fBA574D20;
+    fma.rn.f32 rs, rs, s, 0f3BAAD5EA;
+    fma.rn.f32 rs, rs, s, 0fBCDC1BE7;
+    fma.rn.f32 rs, rs, s, 0f3DE718AF;
+    fma.rn.f32 rs, rs, s, 0fBEC093AC;
+    fma.rn.f32 rs, rs, s, 0f3E0375D3;
+    fma.rn.f32 rs, rs, $1, $1;
+    fma.rn.f32 rb, 0f38EB4C3A, a, 0fBAAE005B;
+    fma.rn.f32 rb, rb, a, 0f3C09919F;
+    fma.rn.f32 rb, rb, a, 0fBD24D99A;
+    fma.rn.f32 rb, rb, a, 0f3E235519;
+    fma.rn.f32 rb, rb, a, 0f3F69B4F9;
+    fma.rn.f32 rb, rb, a, 0f3F210A14;
+    neg.f32 na, a;
+    fma.rn.f32 rb, rb, na, na;
+    ex2.approx.ftz.f32 e, rb;
     sub.f32 e, 0f3F800000, e;
     copysign.f32 e, $1, e;
-    selp.f32 $0, r, e, p1;
+    setp.ltu.f32 p, a, 0f3F8060FE;
+    selp.f32 $0, rs, e, p;
     }""")
 
     _TANH_PTX = tl.constexpr("""{

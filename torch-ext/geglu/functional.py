@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from . import _custom_ops as _impl
+from . import _direct
 from ._checks import check_packed, check_split
 from ._ops import ops
 
@@ -24,6 +25,7 @@ _contiguous = torch.contiguous_format
 # How a call runs: through the torch.library op, or eagerly straight to the implementation (with or without a
 # gradient to record).
 _OP, _PLAIN, _AUTOGRAD = 0, 1, 2
+_lean_fwd = _direct.lean_fwd if _direct.AVAILABLE else None
 
 
 def _mode(a: Tensor, b: Optional[Tensor] = None) -> int:
@@ -69,6 +71,10 @@ def geglu(gate: Tensor, up: Tensor, approximate: str = "none", *, out: Optional[
     up afterwards, e.g. the outputs of gate/up projections).
     """
     if out is None:
+        if _lean_fwd is not None:
+            res = _lean_fwd(gate, up, approximate)
+            if res is not None:
+                return res
         mode = _mode(gate, up)
         if mode == _PLAIN:
             check_split(gate, up, approximate)
