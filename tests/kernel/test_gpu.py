@@ -116,3 +116,27 @@ def test_cuda_graph_capture(impl, geglu):
         assert torch.equal(out, torch.nn.functional.gelu(gate, approximate="tanh") * up)
         ref_g, ref_u = eager_grads(gate, up, dy, "tanh")
         assert torch.equal(dg, ref_g) and torch.equal(du, ref_u)
+
+
+@pytest.mark.parametrize("M,d", [(16, 14336), (256, 14336)])  # 229 K and 3.7 M elements: either side of 2^21
+def test_auto_routing_with_autograd(geglu, M, d):
+    """Under 'auto', small CUDA calls that record a gradient run PyTorch's own ops (host-bound sizes), larger ones
+    the fused kernels' autograd node; either way the values and gradients are eager's, bit for bit."""
+    import importlib
+
+    backend = importlib.import_module(geglu.__name__ + "._backend")
+    geglu.set_backend("auto")
+    gate = randn(M, d, dtype=torch.bfloat16, device="cuda", scale=3).requires_grad_()
+    up = randn(M, d, dtype=torch.bfloat16, device="cuda").requires_grad_()
+    dy = randn(M, d, dtype=torch.bfloat16, device="cuda")
+    y = geglu.geglu(gate, up, "tanh", inplace_backward=True)
+    small = M * d < backend.AUTOGRAD_EAGER_BELOW
+    assert (type(y.grad_fn).__name__ == "MulBackward0") == small, type(y.grad_fn).__name__
+    assert torch.equal(y, torch.nn.functional.gelu(gate, approximate="tanh") * up)
+    dg, du = torch.autograd.grad(y, (gate, up), dy)
+    ref_g, ref_u = eager_grads(gate, up, dy, "tanh")
+    assert torch.equal(dg, ref_g) and torch.equal(du, ref_u)
+    geglu.set_backend("cuda")  # an explicit backend always runs the kernels
+    y = geglu.geglu(gate, up, "tanh")
+    assert type(y.grad_fn).__name__ != "MulBackward0"
+    geglu.set_backend("auto")

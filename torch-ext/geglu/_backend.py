@@ -41,6 +41,18 @@ def get_backend() -> str:
 
 CUDA_LIB_BELOW = 1 << 21
 
+# Under 'auto', eager calls that record a gradient on CUDA tensors below this many elements run PyTorch's own ops
+# (``F.gelu(gate) * up``: bit-identical results and gradients, the tests check it). There the fused kernels save
+# under ~7 µs of GPU time per forward+backward, while a Python autograd node costs the host tens of µs more than
+# eager's C++ ones (measured on the H200's host: benchmarks/results/h200/autograd-overhead.txt); small training
+# steps are host-bound, so the fused kernels would make them slower. 'cuda' and 'triton' always run the kernels.
+AUTOGRAD_EAGER_BELOW = 1 << 21
+
+
+def eager_autograd(numel: int) -> bool:
+    """True when a CUDA call of ``numel`` elements that records a gradient should run PyTorch's own ops."""
+    return _backend == "auto" and numel < AUTOGRAD_EAGER_BELOW
+
 
 def impl_for(device_type: str, numel: int) -> str:
     """The implementation that runs for ``numel``-element tensors on ``device_type``: 'cuda', 'triton' or 'cpu'."""

@@ -8,8 +8,10 @@ It matters at decode and small-batch sizes, where a call is a few µs of GPU tim
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
+from . import _backend
 from . import _custom_ops as _impl
 from . import _direct
 from ._checks import check_packed, check_split
@@ -83,6 +85,8 @@ def geglu(gate: Tensor, up: Tensor, approximate: str = "none", *, out: Optional[
             return res
         if mode == _AUTOGRAD:
             check_split(gate, up, approximate)
+            if gate.is_cuda and _backend.eager_autograd(gate.numel()):
+                return F.gelu(gate, approximate=approximate) * up
             return _impl.eager_geglu(gate, up, approximate, inplace_backward)
         return ops.geglu.default(gate, up, approximate, inplace_backward)
     if not isinstance(out, Tensor):
@@ -117,6 +121,10 @@ def geglu_packed(x: Tensor, approximate: str = "none", *, act_first: bool = True
         _impl._forward_into(res, gate, up, approximate, True)
         return res
     if mode == _AUTOGRAD:
+        if x.is_cuda and _backend.eager_autograd(x.numel() // 2):
+            d = check_packed(x, approximate)
+            gate, up = _impl._halves(x, d, act_first)
+            return F.gelu(gate, approximate=approximate) * up
         return _impl.eager_geglu_packed(x, approximate, act_first, inplace_backward)
     return ops.geglu_packed.default(x, approximate, act_first, inplace_backward)
 
