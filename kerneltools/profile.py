@@ -43,11 +43,14 @@ def profile_setups(build_dir: Path, M: int = 8192, D: int = 768, H: int = 3072, 
             for _ in range(3):
                 mod(x)
             torch.cuda.synchronize()
-            n = 20
-            t0 = time.perf_counter()
-            for _ in range(n):
+            # host time to issue one forward: the median of 50 forwards timed one by one without a sync (the GPU
+            # runs behind; 50 forwards stay far inside the launch queue)
+            times = []
+            for _ in range(50):
+                t0 = time.perf_counter()
                 mod(x)
-            cpu_us = (time.perf_counter() - t0) / n * 1e6  # host time to issue one forward (GPU runs behind)
+                times.append(time.perf_counter() - t0)
+            cpu_us = sorted(times)[len(times) // 2] * 1e6
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 mod(x)
@@ -74,7 +77,7 @@ def profile_setups(build_dir: Path, M: int = 8192, D: int = 768, H: int = 3072, 
 def to_markdown(rows: list[dict], meta: dict) -> str:
     out = [f"# Profile of one forward on {meta['card']} (bf16, M={meta['M']}, D={meta['D']}, H={meta['H']})", "",
            f"{meta['date']}, commit {meta['commit']}, torch {meta['torch']}. GPU kernels from torch.profiler; CPU "
-           "time = host time to issue one forward (median of 20, no sync); recompile = a new input shape adds a "
+           "time = host time to issue one forward (median of 50, no sync); recompile = a new input shape adds a "
            "Dynamo graph.", "",
            "| setup | GPU kernels (memsets not counted) | GPU µs | CPU µs / forward | recompiles on new shape |", "|---|---|---|---|---|"]
     for r in rows:
