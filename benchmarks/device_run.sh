@@ -4,7 +4,7 @@
 # (docs/status.md lists them; carried as `.whl`). Then, e.g.:
 #   run(command="bash benchmarks/device_run.sh overhead tune tests", carry=["build", ".whl"])
 # Steps (in the order given): overhead, autograd, smallm, tune, tests, transformers, fused, bench (bf16 with peers and
-# the whole MLP), bench-other (fp16 and fp32, ours and eager), profile, sanitize.
+# the whole MLP; bench-fast: without max-autotune), bench-other (fp16 and fp32, ours and eager), profile, sanitize.
 # Each step is time-limited and logged to $OUT/<step>.log; a failing step does not stop the later ones.
 set -u
 export PYTHONUNBUFFERED=1
@@ -38,6 +38,8 @@ for s in "$@"; do
     fused) step fused 420 python3 benchmarks/bench_fused_mlp.py --build-dir build --shapes 8192x4096x14336 \
         --sweep epilogue --no-bwd-sweep --out "$OUT" ;;
     bench) step bench 560 python3 -m kerneltools bench --build-dir build --dtype bfloat16 --out "$OUT/bf16" ;;
+    bench-fast) step bench 380 python3 -m kerneltools bench --build-dir build --dtype bfloat16 --no-max-autotune \
+        --out "$OUT/bf16" ;;
     bench-other) step bench-fp16 200 python3 -m kerneltools bench --build-dir build --dtype float16 --no-peers --no-mlp \
         --out "$OUT/fp16"; step bench-fp32 200 python3 -m kerneltools bench --build-dir build --dtype float32 \
         --no-peers --no-mlp --out "$OUT/fp32" ;;

@@ -65,7 +65,8 @@ def _git_commit(root: Path) -> str:
         return "unknown"
 
 
-def run(build_dir: Path, out_dir: Path, quick: bool, peers: bool, dtypes: list[str], log=print) -> dict:
+def run(build_dir: Path, out_dir: Path, quick: bool, peers: bool, dtypes: list[str], log=print,
+        max_autotune: bool = True) -> dict:
     import torch
     import torch.nn.functional as F
     import kernels
@@ -127,7 +128,7 @@ def run(build_dir: Path, out_dir: Path, quick: bool, peers: bool, dtypes: list[s
                 if peers and dname == "bfloat16":
                     for kind in ("compile", "max-autotune"):
                         # max-autotune compiles for minutes per shape: one representative prefill shape
-                        if kind == "max-autotune" and (quick or (M, d) != (8192, 14336)):
+                        if kind == "max-autotune" and (quick or not max_autotune or (M, d) != (8192, 14336)):
                             continue
                         fn = compiled_fn(kind, approximate)
                         cands[f"torch.{kind}"] = (lambda fn=fn: fn(g, u), None)
@@ -336,6 +337,8 @@ def add_parser(sub) -> None:
     p.add_argument("--quick", action="store_true", help="fewer sizes, no max-autotune")
     p.add_argument("--no-peers", action="store_true", help="skip torch.compile and Liger")
     p.add_argument("--dtype", action="append", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--no-max-autotune", action="store_true",
+                   help="skip torch.compile(mode='max-autotune') (minutes of autotuning per shape)")
     p.add_argument("--no-mlp", action="store_true", help="skip the whole-MLP benchmark")
     p.set_defaults(_main=main)
 
@@ -347,7 +350,7 @@ def main(args) -> int:
         print("error: the benchmark needs a CUDA GPU.", file=sys.stderr)
         return 2
     res = run(args.build_dir, args.out, args.quick, not args.no_peers,
-              args.dtype or ["bfloat16", "float16", "float32"])
+              args.dtype or ["bfloat16", "float16", "float32"], max_autotune=not args.no_max_autotune)
     plot(res, args.out / "pointwise.png")
     if not args.no_mlp:
         mlp = run_mlp(args.build_dir)
