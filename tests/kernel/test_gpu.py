@@ -141,3 +141,28 @@ def test_auto_routing_with_autograd(geglu, M, d):
     y = geglu.geglu(gate.detach().clone().requires_grad_(), up, "tanh")
     assert type(y.grad_fn).__name__ != "MulBackward0"
     geglu.set_backend("auto")
+
+
+def test_triton_direct_launch_after_the_first(geglu):
+    """The second Triton launch of a specialisation goes through the compiled kernel's launcher (no JIT binding),
+    with the same results: forward and backward, flat and row-strided."""
+    import importlib
+
+    tr = importlib.import_module(geglu.__name__ + "._triton")
+    geglu.set_backend("triton")
+    try:
+        x = randn(64, 2 * 4096, dtype=torch.bfloat16, device="cuda", scale=3)
+        gate, up = x[:, :4096], x[:, 4096:]  # row-strided halves: the 2-D kernels
+        gc, uc = gate.contiguous(), up.contiguous()  # the flat kernels
+        dy = randn(64, 4096, dtype=torch.bfloat16, device="cuda")
+        tr._DIRECT_LAUNCH.clear()
+        for _ in range(3):
+            for g, u in ((gate, up), (gc, uc)):
+                assert torch.equal(geglu.geglu(g, u, "none"), torch.nn.functional.gelu(g) * u)
+                dg, du = geglu.geglu_backward(dy, g, u, "none")
+                ref_g, ref_u = eager_grads(g, u, dy, "none")
+                assert torch.equal(dg, ref_g) and torch.equal(du, ref_u)
+        assert tr._direct_ok and len(tr._DIRECT_LAUNCH) == 4, tr._DIRECT_LAUNCH.keys()
+        assert not tr._hooks_set()
+    finally:
+        geglu.set_backend("auto")

@@ -386,9 +386,17 @@ def _spec(a):
     return a.dtype, a.data_ptr() % 16 == 0
 
 
+def _hook_active(hook) -> bool:
+    # Triton >= 3.5 keeps a HookChain (never None; empty unless a profiler added a hook); older ones None or a function
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return bool(calls) if calls is not None else True
+
+
 def _hooks_set() -> bool:
     runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
-    return runtime is None or runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None
+    return runtime is None or _hook_active(runtime.launch_enter_hook) or _hook_active(runtime.launch_exit_hook)
 
 
 def _launch(fn, grid, args, consts, num_warps: int, device: torch.device) -> None:
