@@ -111,7 +111,7 @@ def run(build_dir: Path, out_dir: Path, quick: bool, peers: bool, dtypes: list[s
 
                     def bwd(impl=impl):
                         geglu.set_backend(impl)
-                        geglu.ops.geglu_backward(dy, g, u, approximate)
+                        geglu.geglu_backward(dy, g, u, approximate)
 
                     cands[f"ours-{impl}"] = (fwd, bwd)
 

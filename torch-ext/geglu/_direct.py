@@ -135,6 +135,8 @@ def lean_fwd(gate, up, approximate):
     """``gelu(gate) * up`` for the common eager call, or None when the call needs the general path."""
     if type(gate) is not Tensor or type(up) is not Tensor or not gate.is_cuda or _is_compiling():
         return None
+    if _grad_enabled() and (gate.requires_grad or up.requires_grad):
+        return None
     dt = _DTYPES.get(gate.dtype)
     tanh = _TANH.get(approximate)
     if dt is None or tanh is None or up.dtype != gate.dtype or up.shape != gate.shape:
@@ -143,8 +145,6 @@ def lean_fwd(gate, up, approximate):
     if n == 0 or n >= _backend.CUDA_LIB_BELOW or _backend._backend == "triton":
         return None
     if not (gate.is_contiguous() and up.is_contiguous()) or _is_tracing() or _functorch_active():
-        return None
-    if _grad_enabled() and (gate.requires_grad or up.requires_grad):
         return None
     device = gate.get_device()
     if up.get_device() != device:

@@ -141,4 +141,6 @@ def gelu_tanh_and_mul(out: Tensor, x: Tensor) -> Tensor:
 
 def geglu_backward(grad: Tensor, gate: Tensor, up: Tensor, approximate: str = "none"):
     """Gradients ``(d_gate, d_up)`` of :func:`geglu`, with eager autograd's rounding."""
+    if _fast_path(grad, gate, up):
+        return _impl.backward_new(grad, gate, up, approximate)
     return ops.geglu_backward.default(grad, gate, up, approximate)
