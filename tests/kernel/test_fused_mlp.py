@@ -333,3 +333,69 @@ def test_gpu_opcheck_and_compile_real_shape(geglu, fm):
     assert torch.equal(ours[0], ref[0])
     for o, r in zip(ours[1:], ref[1:]):
         assert torch.allclose(o.float(), r.float(), rtol=2e-2, atol=1e-2)
+
+
+# --- the fast epilogue and GeGLUMLP's opt-in inference path -------------------------------------------------------
+
+
+def _fp64_h(x, wg, wu, approximate):
+    x64 = x.double()
+    return F.gelu(x64 @ wg.double().t(), approximate=approximate) * (x64 @ wu.double().t())
+
+
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+def test_fast_epilogue_is_more_accurate_than_eager(fused, kt, dtype, approximate):
+    """fast_epi: the GeGLU of the fp32 accumulators, rounded once (hardware exp2/rcp for tanh on a GPU): its error
+    against an fp64 reference is no larger than eager's (which rounds g, u and gelu(g) to the storage dtype)."""
+    x, wg, wu, _ = _data(96, 64, 80, dtype, down=False, seed=5)
+    base = kt.INTERPRETER if kt.INTERPRET else kt.FAST_LARGE
+    h, _ = kt.gate_up_geglu(x, wg, wu, approximate == "tanh", False, base._replace(fast_epi=True))
+    ref = _fp64_h(x, wg, wu, approximate)
+    ours, eager = _err(h, ref), _err(_eager(x, wg, wu, None, approximate), ref)
+    assert ours <= eager, f"fast epilogue error {ours:.3g} > eager's {eager:.3g}"
+
+
+def _mlp_layer(geglu, D, H, dtype, approximate, seed=6):
+    x, wg, wu, wd = _data(96, D, H, dtype, seed=seed)
+    m = geglu.layers.GeGLUMLP()
+    m.gate_proj, m.up_proj = torch.nn.Linear(D, H, bias=False), torch.nn.Linear(D, H, bias=False)
+    m.down_proj = torch.nn.Linear(H, D, bias=False)
+    m.act_fn = torch.nn.GELU(approximate=approximate)
+    m.to(device=DEVICE, dtype=dtype)
+    with torch.no_grad():
+        for lin, w in ((m.gate_proj, wg), (m.up_proj, wu), (m.down_proj, wd)):
+            lin.weight.copy_(w)
+    return m, x
+
+
+def test_geglumlp_fused_inference_is_opt_in_and_inference_only(geglu, fused, kt, monkeypatch):
+    """GEGLU_FUSED_MLP=1 (fm.ENABLED): GeGLUMLP's inference forward takes the fused kernel where the per-shape
+    decision says it is faster (set here by hand; on a GPU it is timed), and nowhere else: off by default, with a
+    gradient to record, where the decision says no, or with a Linear that is not plain."""
+    D, H, dtype, approximate = 32, 48, torch.bfloat16, "tanh"
+    m, x = _mlp_layer(geglu, D, H, dtype, approximate)
+    calls = []
+    real = fused.fused_geglu_mlp_forward
+    monkeypatch.setattr(fused, "fused_geglu_mlp_forward", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(fused, "_DECISIONS", {(kt.m_bucket(x.shape[0]), D, H, dtype, x.device): True})
+
+    def regular():
+        return m.down_proj(geglu.geglu(m.gate_proj(x), m.up_proj(x), approximate))
+
+    with torch.no_grad():
+        assert torch.equal(m(x), regular()) and not calls  # off by default
+        monkeypatch.setattr(fused, "ENABLED", True)
+        y = m(x)
+        assert calls == [1]
+        ref = F.linear(_fp64_h(x, m.gate_proj.weight, m.up_proj.weight, approximate), m.down_proj.weight.double())
+        eager = _eager(x, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight, approximate)
+        assert _err(y, ref) <= 1.5 * _err(eager, ref)
+        fused._DECISIONS[next(iter(fused._DECISIONS))] = False  # measured slower: the regular path
+        assert torch.equal(m(x), regular()) and calls == [1]
+        fused._DECISIONS[next(iter(fused._DECISIONS))] = True
+        m.down_proj.register_forward_hook(lambda *a: None)  # a hooked Linear must run as a module
+        assert torch.equal(m(x), regular()) and calls == [1]
+    m.down_proj._forward_hooks.clear()
+    y = m(x)  # a gradient to record: the regular, differentiable path
+    assert y.requires_grad and calls == [1]

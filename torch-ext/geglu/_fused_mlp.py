@@ -1,7 +1,7 @@
 """Fused GeGLU MLP: ``down(gelu(x @ Wg^T, approximate) * (x @ Wu^T))`` with the gate and up projections computed by
 one Triton GEMM whose epilogue applies the GeGLU (``_fused_mlp_triton``), then ``down_proj`` by cuBLAS.
 
-Public pieces (not wired into ``layers.py`` yet; see docs/fused-mlp.md):
+Public pieces (``GeGLUMLP`` uses ``inference_forward`` when enabled; see docs/fused-mlp.md):
 
 * ``fused_geglu_mlp_forward(x, w_gate, w_up, w_down=None, approximate="none")``: the MLP (or, without ``w_down``,
   only the GeGLU hidden state ``h``), differentiable in x and every weight; works under torch.compile(fullgraph).
@@ -12,6 +12,9 @@ Public pieces (not wired into ``layers.py`` yet; see docs/fused-mlp.md):
   internal: the backward overwrites ``gu``.
 * the op ``geglu_mlp_down_dgeglu_(dy, w_down, gu, approximate, write_h) -> h``: the fused backward step (in place).
 * ``use_fused(M, D, H, dtype, device)``: the rule for when the caller should take this path (False until measured).
+* ``inference_forward(x, w_gate, w_up, w_down, approximate)``: ``GeGLUMLP``'s opt-in inference path
+  (``GEGLU_FUSED_MLP=1`` or ``ENABLED = True``): the fused forward with the fast epilogue where it measured faster
+  than cuBLAS + the pointwise kernel for the shape on this device (timed once per shape bucket), else None.
 
 Routing inside the op: the fused Triton kernel runs for fp16/bf16 CUDA tensors with more than ``DECODE_MAX_M`` rows
 (and for CPU tensors under the Triton interpreter with the 'triton' backend: the tests); everything else (decode
@@ -25,6 +28,7 @@ Backward:
   N=2H).
 """
 
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -287,5 +291,68 @@ def fused_geglu_mlp_forward(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Opt
     return y
 
 
+# --- GeGLUMLP's inference path (opt-in) -------------------------------------------------------------------------
+# Off by default: the fused forward's fast epilogue is more accurate than eager but not bit-identical to it, and its
+# speed has been measured at one shape (docs/fused-mlp.md). When on, each (M bucket, D, H, dtype, device) is timed
+# once, fused against cuBLAS + our pointwise kernel, on the caller's own tensors; the faster path is remembered.
+
+ENABLED = os.environ.get("GEGLU_FUSED_MLP", "").strip() == "1"
+_DECISIONS: dict = {}  # (M bucket, D, H, dtype, device) -> bool (fused is faster)
+_MARGIN = 0.98  # fused must be at least 2 % faster: below that, the bit-exact path wins
+
+
+def _inference_config(M: int):
+    kt = _kernels()
+    base = kt.INTERPRETER if kt.INTERPRET else (kt.MEDIUM if M <= 256 else kt.FAST_LARGE)
+    return base._replace(fast_epi=True)
+
+
+def _time_ms(fn, reps: int = 3) -> float:
+    fn()  # warm-up: compiles the Triton kernel on its first call
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def _regular(x, w_gate, w_up, w_down, approximate):
+    h = torch.empty(x.shape[:-1] + (w_gate.shape[0],), dtype=x.dtype, device=x.device)
+    _pw._forward_into(h, x @ w_gate.t(), x @ w_up.t(), approximate, True)
+    return h @ w_down.t()
+
+
+def inference_forward(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, approximate: str) -> Optional[Tensor]:
+    """The MLP forward through the fused kernel when enabled, in inference (no gradient recorded, not under
+    torch.compile), at sizes the fused kernel takes, and measured faster for this shape on this device; None when
+    the caller should run its regular path."""
+    if not ENABLED or torch.is_grad_enabled() or torch.compiler.is_compiling() or x.dim() < 2:
+        return None
+    D, H = x.shape[-1], w_gate.shape[0]
+    if (w_gate.dim() != 2 or w_gate.shape != w_up.shape or w_gate.shape[1] != D or w_down.dim() != 2
+            or w_down.shape[1] != H or not (x.dtype == w_gate.dtype == w_up.dtype == w_down.dtype)):
+        return None
+    x2 = _rows2d(x)
+    if not _fused_kernel_applies(x2):
+        return None
+    M = x2.shape[0]
+    kt = _kernels()
+    key = (kt.m_bucket(M), D, H, x.dtype, x.device)
+    use = _DECISIONS.get(key)
+    if use is None:
+        if x.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            return None  # nothing to time here (decisions for CPU tests are set by hand)
+        kt.TUNED[key[:4] + (False,)] = _inference_config(M)
+        fused_ms = _time_ms(lambda: fused_geglu_mlp_forward(x, w_gate, w_up, w_down, approximate))
+        regular_ms = _time_ms(lambda: _regular(x, w_gate, w_up, w_down, approximate))
+        use = _DECISIONS[key] = fused_ms < _MARGIN * regular_ms
+    if not use:
+        return None
+    kt.TUNED.setdefault(key[:4] + (False,), _inference_config(M))
+    return fused_geglu_mlp_forward(x, w_gate, w_up, w_down, approximate)
+
+
 __all__ = ["fused_geglu_mlp_forward", "geglu_mlp_fused", "geglu_mlp_down_dgeglu_", "use_fused", "DECODE_MAX_M",
-           "FUSED_BACKWARD"]
+           "FUSED_BACKWARD", "inference_forward", "ENABLED"]
