@@ -5,7 +5,10 @@ Dev tool for the low-overhead work; prints µs per call for each layer of the ca
 """
 import argparse
 import importlib
+import shutil
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -45,6 +48,16 @@ def main():
         direct = importlib.import_module(geglu.__name__ + "._direct")
         if direct.AVAILABLE:
             rows["cuda C entry (ctypes), out given"] = lambda: direct.fwd(out, g, g, True, True)
+            # Where the entry point's microseconds go: ctypes alone, the stream query, one data_ptr, and the
+            # launch with every argument precomputed.
+            dev, gp, op_ = g.get_device(), g.data_ptr(), out.data_ptr()
+            stream = direct._stream(dev)
+            rows["ctypes call, no work (error_string)"] = lambda: direct._err(0)
+            rows["current stream query"] = lambda: direct._stream(dev)
+            rows["tensor.data_ptr()"] = lambda: g.data_ptr()
+            rows["C entry, ints precomputed"] = lambda: direct._fwd(2, op_, 14336, gp, 14336, gp, 14336, 1, 14336,
+                                                                   1, dev, stream)
+    rows["python call of a no-op lambda"] = lambda: None
     gg = g.clone().requires_grad_()
     dy = torch.randn_like(g)
     rows["autograd eager fwd+bwd"] = lambda: torch.autograd.grad(F.gelu(gg, approximate="tanh") * gg, [gg], dy)
@@ -65,6 +78,34 @@ def main():
     for label, fn in rows.items():
         if ":" not in label:
             print(f"{label:<40} {per_call_us(fn):8.2f} us/call")
+    # Decode under a CUDA graph (transformers' static cache + "reduce-overhead"): 100 calls captured, replayed;
+    # per call = GPU time plus the graph's per-node cost, the host out of it.
+    for label, fn in (("graph: ours geglu()", lambda: geglu.geglu(g, g, "tanh")),
+                      ("graph: eager F.gelu(g)*u", lambda: F.gelu(g, approximate="tanh") * g)):
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(100):
+                fn()
+        print(f"{label:<40} {per_call_us(graph.replay, n=200) / 100:8.2f} us/call")
+    launch_floor()
+
+
+def launch_floor():
+    """The host's floor without Python (benchmarks/launch_floor.cu), when nvcc is available."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        print("launch floor: nvcc not found, skipped")
+        return
+    src = Path(__file__).with_name("launch_floor.cu")
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = Path(tmp) / "launch_floor"
+        subprocess.run([nvcc, "-O2", "-o", str(exe), str(src)], check=True)
+        print(subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout, end="")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kerneltools.bench import _median_us  # noqa: E402
+from kerneltools.bench import _median_us, mlp_impls  # noqa: E402
+
+
+def _no_grad(mod, x):
+    with torch.no_grad():
+        return mod(x)
 
 
 def main():
@@ -38,9 +43,27 @@ def main():
         "ours inplace_backward": mlp(lambda g, u: geglu.geglu(g, u, "tanh", inplace_backward=True)),
         "eager, grads via .backward()": None,
     }
-    for name, fn in variants.items():
-        if fn is not None:
-            print(f"{name:<32} fwd+bwd {_median_us(fn):9.1f} us")
+    # The layers as the benchmark times them: transformers' Gemma MLP, and the same module with our hub layer's
+    # forward (what kernelize installs).
+    impls = mlp_impls(geglu, D, H)
+    for name in ("eager", "ours"):
+        mod = impls[name]
+        mod_params = list(mod.parameters()) + [x]
+        variants[f"layer {name}"] = (lambda mod=mod, mod_params=mod_params:
+                                     torch.autograd.grad(mod(x), mod_params, dy))
+        variants[f"layer {name}, no_grad fwd"] = lambda mod=mod: _no_grad(mod, x)
+    variants = {k: v for k, v in variants.items() if v is not None}
+    # Host-bound and noisy (±30 % between runs): interleaved rounds, each variant's median over the rounds, and
+    # ours/eager per round (the pairs ran seconds apart, under the same clocks and host load).
+    rounds = {name: [] for name in variants}
+    for _ in range(15):
+        for name, fn in variants.items():
+            rounds[name].append(_median_us(fn, rep_ms=40))
+    for name, ts in rounds.items():
+        ref = name.replace("ours", "eager") if name.startswith("layer") else "eager"
+        ratios = sorted(t / e for t, e in zip(ts, rounds[ref]))
+        print(f"{name:<32} {sorted(ts)[len(ts) // 2]:9.1f} us (median of {len(ts)} rounds; "
+              f"per round vs {ref}: median {ratios[len(ratios) // 2]:.3f}, min {ratios[0]:.3f}, max {ratios[-1]:.3f})")
     g = torch.randn(M, H, **bf)
     for label, fn in {
         "dW = g^T @ x (contiguous g)": lambda: g.t() @ x.detach(),
@@ -49,7 +72,7 @@ def main():
     }.items():
         print(f"{label:<40} {_median_us(fn):9.1f} us")
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    for name in ("eager", "ours"):
+    for name in ("layer eager", "layer ours"):
         for _ in range(3):
             variants[name]()
         torch.cuda.synchronize()

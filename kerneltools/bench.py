@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import importlib
 import json
 import platform
 import subprocess
@@ -227,7 +228,25 @@ def mlp_impls(geglu, D: int, H: int) -> dict:
     ours.load_state_dict(base.state_dict())
     ours.forward = geglu.layers.GeGLUMLP.forward.__get__(ours)
     impls["ours"] = ours
+    fm = importlib.import_module(geglu.__name__ + "._fused_mlp")
+    if not fm.ENABLED:  # the opt-in fused inference path (GEGLU_FUSED_MLP=1) as its own row; training is unchanged
+        fused = GatedMLP().to("cuda", torch.bfloat16)
+        fused.load_state_dict(base.state_dict())
+        layer_forward = geglu.layers.GeGLUMLP.forward.__get__(fused)
+
+        def fused_forward(x):
+            fm.ENABLED = True
+            try:
+                return layer_forward(x)
+            finally:
+                fm.ENABLED = False
+
+        fused.forward = fused_forward
+        impls[FUSED_ROW] = fused
     return impls
+
+
+FUSED_ROW = "ours, GEGLU_FUSED_MLP=1"
 
 
 def run_mlp(build_dir: Path, shapes=MLP_SHAPES, log=print) -> dict:
@@ -253,39 +272,57 @@ def run_mlp(build_dir: Path, shapes=MLP_SHAPES, log=print) -> dict:
             for name, mod in impls.items():
                 params = [p for p in mod.parameters()] + [xg]
                 timings[name][0].append(_median_us(lambda: _no_grad_call(torch, mod, x), rep_ms=100))
-                timings[name][1].append(_median_us(lambda: torch.autograd.grad(mod(xg), params, dy), rep_ms=100))
+                if name != FUSED_ROW:  # its training path is "ours"
+                    timings[name][1].append(_median_us(lambda: torch.autograd.grad(mod(xg), params, dy),
+                                                       rep_ms=100))
         for name, mod in impls.items():
             params = [p for p in mod.parameters()] + [xg]
 
             def fwd_bwd():
                 torch.autograd.grad(mod(xg), params, dy)
 
-            t_f, t_fb = sorted(timings[name][0])[1], sorted(timings[name][1])[1]
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_allocated()
-            fwd_bwd()
-            torch.cuda.synchronize()
-            peak = (torch.cuda.max_memory_allocated() - before) / 2**20
-            rows.append(dict(M=M, D=D, H=H, impl=name, fwd_us=round(t_f, 1), fwd_bwd_us=round(t_fb, 1),
+            t_f = sorted(timings[name][0])[1]
+            t_fb = sorted(timings[name][1])[1] if timings[name][1] else None
+            fwd_peak = _peak_mib(torch, lambda: _no_grad_call(torch, mod, x))
+            peak = _peak_mib(torch, fwd_bwd) if t_fb is not None else None
+            rows.append(dict(M=M, D=D, H=H, impl=name, fwd_us=round(t_f, 1),
+                             fwd_bwd_us=round(t_fb, 1) if t_fb else None,
                              fwd_pct_cublas=round(100 * flops_f / (t_f * 1e-6) / 1e12 / peak_tflops, 1),
-                             fwd_bwd_pct_cublas=round(100 * 3 * flops_f / (t_fb * 1e-6) / 1e12 / peak_tflops, 1),
-                             peak_mib=round(peak, 1)))
-            log(f"MLP {M}x{D}x{H} {name}: fwd {t_f:.1f}us fwd+bwd {t_fb:.1f}us peak {peak:.0f} MiB")
+                             fwd_bwd_pct_cublas=(round(100 * 3 * flops_f / (t_fb * 1e-6) / 1e12 / peak_tflops, 1)
+                                                 if t_fb else None),
+                             fwd_peak_mib=round(fwd_peak, 1), peak_mib=round(peak, 1) if peak is not None else None))
+            log(f"MLP {M}x{D}x{H} {name}: fwd {t_f:.1f}us fwd+bwd {t_fb or float('nan'):.1f}us "
+                f"peak fwd {fwd_peak:.0f} MiB, fwd+bwd {peak or float('nan'):.0f} MiB")
         del impls, x, xg, dy
         torch.cuda.empty_cache()
     return dict(cublas_tflops=round(peak_tflops, 1), rows=rows)
 
 
+def _peak_mib(torch, fn) -> float:
+    """Memory allocated above what was live before, at its peak during one call of ``fn``."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
 def mlp_markdown(res: dict) -> str:
+    def cell(v):
+        return "—" if v is None else v
+
     lines = ["", f"## Whole MLP (bf16, tanh), cuBLAS 8192^3 at {res['cublas_tflops']} TFLOP/s in the same run", "",
              "Median of 3 interleaved rounds (eager, compile, Liger, ours, eager, ...), each a do_bench median; peak = "
-             "memory allocated above the inputs during one forward+backward.", "",
-             "| M x D x H | impl | fwd µs | fwd % cuBLAS | fwd+bwd µs | fwd+bwd % cuBLAS | peak extra MiB (fwd+bwd) |",
-             "|---|---|---|---|---|---|---|"]
+             "memory allocated above the inputs during one forward (no grad) or forward+backward. "
+             f"'{FUSED_ROW}' is the opt-in fused inference path (forward only; its training path is 'ours').", "",
+             "| M x D x H | impl | fwd µs | fwd % cuBLAS | fwd+bwd µs | fwd+bwd % cuBLAS | peak extra MiB (fwd) "
+             "| peak extra MiB (fwd+bwd) |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         lines.append(f"| {r['M']}x{r['D']}x{r['H']} | {r['impl']} | {r['fwd_us']} | {r['fwd_pct_cublas']} | "
-                     f"{r['fwd_bwd_us']} | {r['fwd_bwd_pct_cublas']} | {r['peak_mib']} |")
+                     f"{cell(r['fwd_bwd_us'])} | {cell(r['fwd_bwd_pct_cublas'])} | {cell(r.get('fwd_peak_mib'))} | "
+                     f"{cell(r['peak_mib'])} |")
     return "\n".join(lines) + "\n"
 
 
