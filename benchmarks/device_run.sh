@@ -38,7 +38,7 @@ for s in "$@"; do
     fused) step fused 420 python3 benchmarks/bench_fused_mlp.py --build-dir build --shapes 8192x4096x14336 \
         --sweep epilogue --no-bwd-sweep --out "$OUT" ;;
     bench) step bench 560 python3 -m kerneltools bench --build-dir build --dtype bfloat16 --out "$OUT/bf16" ;;
-    bench-fast) step bench 380 python3 -m kerneltools bench --build-dir build --dtype bfloat16 --no-max-autotune \
+    bench-fast) step bench 420 python3 -m kerneltools bench --build-dir build --dtype bfloat16 --no-max-autotune \
         --out "$OUT/bf16" ;;
     bench-other) step bench-fp16 200 python3 -m kerneltools bench --build-dir build --dtype float16 --no-peers --no-mlp \
         --out "$OUT/fp16"; step bench-fp32 200 python3 -m kerneltools bench --build-dir build --dtype float32 \

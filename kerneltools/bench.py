@@ -44,6 +44,26 @@ def per_call_us(fn, n: int = 2000) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
+def graph_call_us(fn, calls: int = 100) -> float:
+    """Time per call of ``calls`` calls captured in one CUDA graph and replayed: the GPU time plus the graph's
+    per-kernel cost, with the host out of it (decode with transformers' static cache and "reduce-overhead")."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    t = per_call_us(graph.replay, n=200) / calls
+    del graph
+    return t
+
+
 def copy_floor_tbs(torch) -> float:
     """Device-to-device copy bandwidth (bytes read + written), the floor every pointwise pass is held to."""
     n = 1 << 29  # 1 GiB of bf16
@@ -146,6 +166,10 @@ def run(build_dir: Path, out_dir: Path, quick: bool, peers: bool, dtypes: list[s
                             call = lambda: geglu.geglu(g, u, approximate)  # noqa: E731
                         rows.append(dict(dtype=dname, approximate=approximate, M=M, d=d, impl=name,
                                          pass_="fwd per call", us=round(per_call_us(call), 2), tbs=0, pct_floor=0))
+                        if name == "eager" or name.startswith("ours-"):
+                            rows.append(dict(dtype=dname, approximate=approximate, M=M, d=d, impl=name,
+                                             pass_="fwd per call, CUDA graph", us=round(graph_call_us(call), 2),
+                                             tbs=0, pct_floor=0))
                     t_f = _median_us(fwd)
                     t_b = _median_us(bwd) if bwd is not None else None
                     for pas, t, passes in (("fwd", t_f, 3), ("bwd", t_b, 5)):
@@ -268,8 +292,10 @@ def run_mlp(build_dir: Path, shapes=MLP_SHAPES, log=print) -> dict:
         # GEMM-bound timings drift with the GPU's clocks (seen: the same cuBLAS kernels 6% apart between two
         # runs), so the implementations are timed in interleaved rounds and each keeps its median over rounds.
         timings = {name: ([], []) for name in impls}
-        for _ in range(3):
-            for name, mod in impls.items():
+        rounds = 3 if M > 64 else 11  # decode-sized rows are host-bound and noisier (±30 %)
+        for r in range(rounds):
+            order = list(impls.items()) if r % 2 == 0 else list(impls.items())[::-1]  # no position bias
+            for name, mod in order:
                 params = [p for p in mod.parameters()] + [xg]
                 timings[name][0].append(_median_us(lambda: _no_grad_call(torch, mod, x), rep_ms=100))
                 if name != FUSED_ROW:  # its training path is "ours"
@@ -281,8 +307,8 @@ def run_mlp(build_dir: Path, shapes=MLP_SHAPES, log=print) -> dict:
             def fwd_bwd():
                 torch.autograd.grad(mod(xg), params, dy)
 
-            t_f = sorted(timings[name][0])[1]
-            t_fb = sorted(timings[name][1])[1] if timings[name][1] else None
+            t_f = sorted(timings[name][0])[rounds // 2]
+            t_fb = sorted(timings[name][1])[rounds // 2] if timings[name][1] else None
             fwd_peak = _peak_mib(torch, lambda: _no_grad_call(torch, mod, x))
             peak = _peak_mib(torch, fwd_bwd) if t_fb is not None else None
             rows.append(dict(M=M, D=D, H=H, impl=name, fwd_us=round(t_f, 1),
@@ -313,7 +339,8 @@ def mlp_markdown(res: dict) -> str:
         return "—" if v is None else v
 
     lines = ["", f"## Whole MLP (bf16, tanh), cuBLAS 8192^3 at {res['cublas_tflops']} TFLOP/s in the same run", "",
-             "Median of 3 interleaved rounds (eager, compile, Liger, ours, eager, ...), each a do_bench median; peak = "
+             "Median of 3 interleaved rounds (11 at M <= 64, host-bound; the order reversed every other round), each "
+             "a do_bench median; peak = "
              "memory allocated above the inputs during one forward (no grad) or forward+backward. "
              f"'{FUSED_ROW}' is the opt-in fused inference path (forward only; its training path is 'ours').", "",
              "| M x D x H | impl | fwd µs | fwd % cuBLAS | fwd+bwd µs | fwd+bwd % cuBLAS | peak extra MiB (fwd) "
