@@ -3,8 +3,10 @@
 # Prepare here first: `python -m kerneltools build --capability 9.0` (carried as `build`) and the wheels in `.whl`
 # (docs/status.md lists them; carried as `.whl`). Then, e.g.:
 #   run(command="bash benchmarks/device_run.sh overhead tune tests", carry=["build", ".whl"])
-# Steps (in the order given): overhead, autograd, smallm, tune, tests, transformers, fused, bench (bf16 with peers and
-# the whole MLP; bench-fast: without max-autotune), bench-other (fp16 and fp32, ours and eager), profile, sanitize.
+# Steps (in the order given): overhead, autograd, smallm, tune, tests, tests-mlp (the fused MLP and layer tests),
+# transformers, fused (the fused-kernel sweep at 8192x4096x14336; fused-2304 at 8192x2304x9216), mlp (the whole-MLP
+# table alone), bench (bf16 with peers and the whole MLP; bench-fast: without max-autotune), bench-other (fp16 and
+# fp32, ours and eager), profile, sanitize.
 # Each step is time-limited and logged to $OUT/<step>.log; a failing step does not stop the later ones.
 set -u
 export PYTHONUNBUFFERED=1
@@ -37,6 +39,11 @@ for s in "$@"; do
         -p no:cacheprovider ;;
     fused) step fused 420 python3 benchmarks/bench_fused_mlp.py --build-dir build --shapes 8192x4096x14336 \
         --sweep epilogue --no-bwd-sweep --out "$OUT" ;;
+    tests-mlp) step tests-mlp 240 python3 -m pytest tests/kernel/test_fused_mlp.py tests/kernel/test_layers.py -q -x -s \
+        -p no:cacheprovider ;;
+    fused-2304) step fused-2304 300 python3 benchmarks/bench_fused_mlp.py --build-dir build --shapes 8192x2304x9216 \
+        --sweep epilogue --no-bwd-sweep --out "$OUT" ;;
+    mlp) step mlp 300 python3 -m kerneltools bench --build-dir build --mlp-only --out "$OUT/mlp" ;;
     bench) step bench 560 python3 -m kerneltools bench --build-dir build --dtype bfloat16 --out "$OUT/bf16" ;;
     bench-fast) step bench 420 python3 -m kerneltools bench --build-dir build --dtype bfloat16 --no-max-autotune \
         --out "$OUT/bf16" ;;

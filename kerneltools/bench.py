@@ -73,6 +73,15 @@ def copy_floor_tbs(torch) -> float:
     return 2 * src.numel() * 2 / (t * 1e-6) / 1e12
 
 
+def _meta(torch) -> dict:
+    import triton
+
+    return dict(card=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                cuda=torch.version.cuda, python=platform.python_version(),
+                commit=_git_commit(Path(__file__).resolve().parents[1]),
+                date=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+
+
 def _git_commit(root: Path) -> str:
     """HEAD's short id; GEGLU_COMMIT when set (the GPU machine gets a copy of the tree without .git)."""
     import os
@@ -189,13 +198,7 @@ def run(build_dir: Path, out_dir: Path, quick: bool, peers: bool, dtypes: list[s
                 del g, u, dy, out, gr, ur
                 torch.cuda.empty_cache()
     geglu.set_backend("auto")
-    import triton
-
-    meta = dict(card=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                cuda=torch.version.cuda, python=platform.python_version(),
-                commit=_git_commit(Path(__file__).resolve().parents[1]),
-                date=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                copy_floor_tbs=round(floor, 3), variant=geglu.__name__)
+    meta = dict(_meta(torch), copy_floor_tbs=round(floor, 3), variant=geglu.__name__)
     result = dict(meta=meta, rows=rows)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "pointwise.json").write_text(json.dumps(result, indent=1))
@@ -253,24 +256,24 @@ def mlp_impls(geglu, D: int, H: int) -> dict:
     ours.forward = geglu.layers.GeGLUMLP.forward.__get__(ours)
     impls["ours"] = ours
     fm = importlib.import_module(geglu.__name__ + "._fused_mlp")
-    if not fm.ENABLED:  # the opt-in fused inference path (GEGLU_FUSED_MLP=1) as its own row; training is unchanged
-        fused = GatedMLP().to("cuda", torch.bfloat16)
-        fused.load_state_dict(base.state_dict())
-        layer_forward = geglu.layers.GeGLUMLP.forward.__get__(fused)
+    if fm.ENABLED:  # ours without the fused inference path, as its own row; training is the same path
+        unfused = GatedMLP().to("cuda", torch.bfloat16)
+        unfused.load_state_dict(base.state_dict())
+        layer_forward = geglu.layers.GeGLUMLP.forward.__get__(unfused)
 
-        def fused_forward(x):
-            fm.ENABLED = True
+        def unfused_forward(x):
+            fm.ENABLED = False
             try:
                 return layer_forward(x)
             finally:
-                fm.ENABLED = False
+                fm.ENABLED = True
 
-        fused.forward = fused_forward
-        impls[FUSED_ROW] = fused
+        unfused.forward = unfused_forward
+        impls[UNFUSED_ROW] = unfused
     return impls
 
 
-FUSED_ROW = "ours, GEGLU_FUSED_MLP=1"
+UNFUSED_ROW = "ours, GEGLU_FUSED_MLP=0"
 
 
 def run_mlp(build_dir: Path, shapes=MLP_SHAPES, log=print) -> dict:
@@ -298,7 +301,7 @@ def run_mlp(build_dir: Path, shapes=MLP_SHAPES, log=print) -> dict:
             for name, mod in order:
                 params = [p for p in mod.parameters()] + [xg]
                 timings[name][0].append(_median_us(lambda: _no_grad_call(torch, mod, x), rep_ms=100))
-                if name != FUSED_ROW:  # its training path is "ours"
+                if name != UNFUSED_ROW:  # its training path is "ours"
                     timings[name][1].append(_median_us(lambda: torch.autograd.grad(mod(xg), params, dy),
                                                        rep_ms=100))
         for name, mod in impls.items():
@@ -342,7 +345,8 @@ def mlp_markdown(res: dict) -> str:
              "Median of 3 interleaved rounds (11 at M <= 64, host-bound; the order reversed every other round), each "
              "a do_bench median; peak = "
              "memory allocated above the inputs during one forward (no grad) or forward+backward. "
-             f"'{FUSED_ROW}' is the opt-in fused inference path (forward only; its training path is 'ours').", "",
+             "'ours' takes the fused gate/up GEMM in inference where it times faster; "
+             f"'{UNFUSED_ROW}' is ours without it (forward only: training is the same path).", "",
              "| M x D x H | impl | fwd µs | fwd % cuBLAS | fwd+bwd µs | fwd+bwd % cuBLAS | peak extra MiB (fwd) "
              "| peak extra MiB (fwd+bwd) |",
              "|---|---|---|---|---|---|---|---|"]
@@ -404,6 +408,8 @@ def add_parser(sub) -> None:
     p.add_argument("--no-max-autotune", action="store_true",
                    help="skip torch.compile(mode='max-autotune') (minutes of autotuning per shape)")
     p.add_argument("--no-mlp", action="store_true", help="skip the whole-MLP benchmark")
+    p.add_argument("--mlp-only", action="store_true",
+                   help="only the whole-MLP benchmark (writes mlp.md and mlp.json under --out)")
     p.set_defaults(_main=main)
 
 
@@ -413,6 +419,18 @@ def main(args) -> int:
     if not torch.cuda.is_available():
         print("error: the benchmark needs a CUDA GPU.", file=sys.stderr)
         return 2
+    if args.mlp_only:
+        if args.no_mlp:
+            print("error: --mlp-only and --no-mlp leave nothing to run; give one of them.", file=sys.stderr)
+            return 2
+        mlp = run_mlp(args.build_dir)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "mlp.json").write_text(json.dumps(dict(meta=_meta(torch), mlp=mlp), indent=1))
+        m = _meta(torch)
+        (args.out / "mlp.md").write_text(f"# Whole GeGLU MLP on {m['card']}\n\n{m['date']}, commit {m['commit']}, "
+                                         f"torch {m['torch']}, triton {m['triton']}, CUDA {m['cuda']}.\n"
+                                         + mlp_markdown(mlp))
+        return 0
     res = run(args.build_dir, args.out, args.quick, not args.no_peers,
               args.dtype or ["bfloat16", "float16", "float32"], max_autotune=not args.no_max_autotune)
     plot(res, args.out / "pointwise.png")

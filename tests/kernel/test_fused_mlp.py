@@ -369,10 +369,17 @@ def _mlp_layer(geglu, D, H, dtype, approximate, seed=6):
     return m, x
 
 
-def test_geglumlp_fused_inference_is_opt_in_and_inference_only(geglu, fused, kt, monkeypatch):
-    """GEGLU_FUSED_MLP=1 (fm.ENABLED): GeGLUMLP's inference forward takes the fused kernel where the per-shape
-    decision says it is faster (set here by hand; on a GPU it is timed), and nowhere else: off by default, with a
-    gradient to record, where the decision says no, or with a Linear that is not plain."""
+def test_fused_mlp_setting(fm):
+    assert fm._enabled(None) and fm._enabled("1") and fm._enabled(" on ")
+    assert not fm._enabled("0") and not fm._enabled("false")
+    with pytest.raises(ValueError, match="GEGLU_FUSED_MLP='maybe'.*expected 1"):
+        fm._enabled("maybe")
+
+
+def test_geglumlp_fused_inference_default_and_inference_only(geglu, fused, kt, monkeypatch):
+    """fm.ENABLED (on unless GEGLU_FUSED_MLP=0): GeGLUMLP's inference forward takes the fused kernel where the
+    per-shape decision says it is faster (set here by hand; on a GPU it is timed), and nowhere else: not when
+    turned off, with a gradient to record, where the decision says no, or with a Linear that is not plain."""
     D, H, dtype, approximate = 32, 48, torch.bfloat16, "tanh"
     m, x = _mlp_layer(geglu, D, H, dtype, approximate)
     calls = []
@@ -384,7 +391,8 @@ def test_geglumlp_fused_inference_is_opt_in_and_inference_only(geglu, fused, kt,
         return m.down_proj(geglu.geglu(m.gate_proj(x), m.up_proj(x), approximate))
 
     with torch.no_grad():
-        assert torch.equal(m(x), regular()) and not calls  # off by default
+        monkeypatch.setattr(fused, "ENABLED", False)
+        assert torch.equal(m(x), regular()) and not calls  # turned off
         monkeypatch.setattr(fused, "ENABLED", True)
         y = m(x)
         assert calls == [1]
@@ -399,3 +407,38 @@ def test_geglumlp_fused_inference_is_opt_in_and_inference_only(geglu, fused, kt,
     m.down_proj._forward_hooks.clear()
     y = m(x)  # a gradient to record: the regular, differentiable path
     assert y.requires_grad and calls == [1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("approximate", APPROX)
+def test_gpu_geglumlp_inference_times_once_per_shape(geglu, fm, kt, approximate, monkeypatch):
+    """On a GPU, the first inference call of a shape times fused against cuBLAS + pointwise and remembers the
+    answer; later calls of that shape bucket reuse it (no timing, no recompile); whichever path runs, the output
+    is no less accurate than eager's; during CUDA-graph capture an undecided shape takes the regular path."""
+    monkeypatch.setattr(fm, "ENABLED", True)
+    monkeypatch.setattr(fm, "_DECISIONS", {})
+    monkeypatch.setattr(kt, "TUNED", {})
+    m, x = _mlp_layer(geglu, 256, 1024, torch.bfloat16, approximate)
+    with torch.no_grad():
+        y = m(x)
+        assert len(fm._DECISIONS) == 1
+        monkeypatch.setattr(fm, "_fused_is_faster", lambda *a: pytest.fail("timed twice"))
+        assert torch.equal(m(x), y)
+        eager = _eager(x, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight, approximate)
+        ref = F.linear(_fp64_h(x, m.gate_proj.weight, m.up_proj.weight, approximate), m.down_proj.weight.double())
+        assert _err(y, ref) <= 1.02 * _err(eager, ref)
+        print(f"decision at 96x256x1024 {approximate}: fused={next(iter(fm._DECISIONS.values()))}; "
+              f"error {_err(y, ref):.3e} vs eager {_err(eager, ref):.3e}")
+        fm._DECISIONS.clear()
+        regular = m.down_proj(geglu.geglu(m.gate_proj(x), m.up_proj(x), approximate))
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            m.down_proj(geglu.geglu(m.gate_proj(x), m.up_proj(x), approximate))  # warm-up outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(graph):
+            yg = m(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(yg, regular) and not fm._DECISIONS

@@ -119,3 +119,27 @@ def test_compile_mode_accepted(build_dir):
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), ref, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act", [nn.GELU(), nn.GELU(approximate="tanh")], ids=["erf", "tanh"])
+def test_small_cuda_training_step_is_eager_op_for_op(build_dir, act):
+    """Under the 'auto' backend, small CUDA training steps run PyTorch's own GeGLU ops in the host's order, so
+    the output and every gradient (x's too, which sums two branches in autograd's order) equal eager's bit for
+    bit."""
+    torch.manual_seed(0)
+    model = GatedMLP(256, 1024, act).to("cuda", torch.bfloat16)
+    ref_model = GatedMLP(256, 1024, act).to("cuda", torch.bfloat16)
+    ref_model.load_state_dict(model.state_dict())
+    with use_kernel_mapping(_mapping(build_dir, "GeGLUMLP")):
+        kernelize(model, mode=Mode.TRAINING, device="cuda")
+    x = randn(16, 256, dtype=torch.bfloat16, device="cuda").requires_grad_()
+    x_ref = x.detach().clone().requires_grad_()
+    y, y_ref = model(x), ref_model(x_ref)
+    assert torch.equal(y, y_ref)
+    dy = randn(*y.shape, dtype=torch.bfloat16, device="cuda")
+    y.backward(dy)
+    y_ref.backward(dy)
+    assert torch.equal(x.grad, x_ref.grad)
+    for (name, p), p_ref in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(p.grad, p_ref.grad), name

@@ -10,7 +10,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from . import _fused_mlp
+from . import _backend, _fused_mlp
 from .functional import geglu, geglu_packed
 
 # transformers' activation classes by the GELU they compute. Exact matches of F.gelu first; the tanh-formula
@@ -80,7 +80,7 @@ def _plain_linear(m) -> bool:
 
 
 def _fused_inference(mlp, x: torch.Tensor) -> Optional[torch.Tensor]:
-    """The opt-in fused gate/up GEMM path (GEGLU_FUSED_MLP=1, docs/fused-mlp.md) for inference, or None."""
+    """The fused gate/up GEMM path for inference (docs/fused-mlp.md; off with GEGLU_FUSED_MLP=0), or None."""
     if not _fused_mlp.ENABLED or torch.is_grad_enabled():
         return None
     approximate = gelu_approximation(mlp.act_fn)
@@ -96,9 +96,9 @@ class GeGLUMLP(nn.Module):
 
     The GELU flavour (erf or tanh) comes from the host's ``act_fn``; an activation that is not a GELU runs the
     host's own computation. The backward writes the GeGLU gradients over the gate/up projections' outputs, which
-    nothing else reads, so training keeps two fewer activation-sized buffers than eager. With ``GEGLU_FUSED_MLP=1``,
-    inference at prefill sizes may take the fused gate/up GEMM (the GeGLU in its epilogue: not bit-identical to
-    eager, more accurate) where it measures faster on the device.
+    nothing else reads, so training keeps two fewer activation-sized buffers than eager. Inference at prefill sizes
+    takes the fused gate/up GEMM (the GeGLU in its epilogue: not bit-identical to eager, more accurate) where it
+    measures faster on the device; ``GEGLU_FUSED_MLP=0`` turns that off.
     """
 
     can_torch_compile = True
@@ -113,7 +113,12 @@ class GeGLUMLP(nn.Module):
         y = _fused_inference(self, x)
         if y is not None:
             return y
-        return self.down_proj(gated(self.act_fn, self.gate_proj(x), self.up_proj(x)))
+        gate = self.gate_proj(x)
+        if gate.requires_grad and gate.is_cuda and _backend.eager_autograd(gate.numel()):
+            # Small training steps run PyTorch's own GeGLU ops (host-bound; see _backend): here in the host's
+            # exact order, so that the step is eager's, op for op.
+            return self.down_proj(self.act_fn(gate) * self.up_proj(x))
+        return self.down_proj(gated(self.act_fn, gate, self.up_proj(x)))
 
 
 class GeGLUMLPWithDropout(nn.Module):
