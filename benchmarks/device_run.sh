@@ -16,6 +16,13 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   || exit 1
 export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH GEGLU_BUILD_DIR=$PWD/build
 export GEGLU_COMMIT=${GEGLU_COMMIT:-$(cat .commit 2>/dev/null || echo unknown)}
+# The build tree carries its own copy of the package's Python files: refuse a stale one (it would test old code).
+for f in torch-ext/geglu/*.py; do
+  for variant in build/torch-stable-abi*/; do
+    cmp -s "$f" "$variant$(basename "$f")" || { echo "error: $variant is stale ($f differs): run" \
+      "'python -m kerneltools build --capability 9.0' here before the device call"; exit 1; }
+  done
+done
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv,noheader
 
 step() {  # step NAME SECONDS COMMAND...
