@@ -81,8 +81,9 @@ def _plain_linear(m) -> bool:
 
 def _fused_inference(mlp, x: torch.Tensor) -> Optional[torch.Tensor]:
     """The fused gate/up GEMM path for inference (docs/fused-mlp.md; off with GEGLU_FUSED_MLP=0), or None."""
-    if not _fused_mlp.ENABLED or torch.is_grad_enabled():
-        return None
+    if (not _fused_mlp.ENABLED or torch.is_grad_enabled() or x.dim() < 2
+            or x.numel() <= _fused_mlp.DECODE_MAX_M * x.shape[-1]):
+        return None  # decode sizes return here, before any other check: they are host-bound
     approximate = gelu_approximation(mlp.act_fn)
     if approximate is None or not (_plain_linear(mlp.gate_proj) and _plain_linear(mlp.up_proj)
                                    and _plain_linear(mlp.down_proj)):
