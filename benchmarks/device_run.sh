@@ -50,6 +50,7 @@ for s in "$@"; do
         -p no:cacheprovider ;;
     fused-2304) step fused-2304 300 python3 benchmarks/bench_fused_mlp.py --build-dir build --shapes 8192x2304x9216 \
         --sweep epilogue --no-bwd-sweep --out "$OUT" ;;
+    decision) step decision 200 python3 benchmarks/fused_decision.py --build-dir build ;;
     mlp) step mlp 300 python3 -m kerneltools bench --build-dir build --mlp-only --out "$OUT/mlp" ;;
     bench) step bench 560 python3 -m kerneltools bench --build-dir build --dtype bfloat16 --out "$OUT/bf16" ;;
     bench-fast) step bench 420 python3 -m kerneltools bench --build-dir build --dtype bfloat16 --no-max-autotune \
