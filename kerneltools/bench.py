@@ -416,13 +416,14 @@ def add_parser(sub) -> None:
 def main(args) -> int:
     import torch
 
+    if args.mlp_only and args.no_mlp:
+        print("error: --mlp-only and --no-mlp leave nothing to run; give one of them.", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
-        print("error: the benchmark needs a CUDA GPU.", file=sys.stderr)
+        print("error: the benchmark needs a CUDA GPU (run it on one; `benchmarks/device_run.sh bench` shows how).",
+              file=sys.stderr)
         return 2
     if args.mlp_only:
-        if args.no_mlp:
-            print("error: --mlp-only and --no-mlp leave nothing to run; give one of them.", file=sys.stderr)
-            return 2
         mlp = run_mlp(args.build_dir)
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "mlp.json").write_text(json.dumps(dict(meta=_meta(torch), mlp=mlp), indent=1))

@@ -1,0 +1,40 @@
+"""The benchmark's CPU-side parts (kerneltools.bench): its command-line errors and its markdown. The timings
+themselves need a GPU (benchmarks/device_run.sh)."""
+
+import subprocess
+import sys
+
+from toolhelpers import REPO_ROOT
+
+from kerneltools import bench
+
+
+def _row(impl, fwd, fwd_bwd):
+    return dict(M=8192, D=2304, H=9216, impl=impl, fwd_us=fwd, fwd_pct_cublas=98.2,
+                fwd_bwd_us=fwd_bwd, fwd_bwd_pct_cublas=92.5 if fwd_bwd else None,
+                fwd_peak_mib=180.0, peak_mib=652.5 if fwd_bwd else None)
+
+
+def test_mlp_markdown_marks_forward_only_rows():
+    md = bench.mlp_markdown(dict(cublas_tflops=707.7, rows=[_row("ours", 1501.0, 4784.0),
+                                                            _row(bench.UNFUSED_ROW, 1608.7, None)]))
+    lines = md.splitlines()
+    assert "cuBLAS 8192^3 at 707.7 TFLOP/s" in md and bench.UNFUSED_ROW in md
+    ours = next(line for line in lines if line.startswith("| 8192x2304x9216 | ours |"))
+    unfused = next(line for line in lines if line.startswith(f"| 8192x2304x9216 | {bench.UNFUSED_ROW} |"))
+    assert ours.split(" | ")[2:] == ["1501.0", "98.2", "4784.0", "92.5", "180.0", "652.5 |"]
+    assert unfused.split(" | ")[2:] == ["1608.7", "98.2", "—", "—", "180.0", "— |"]
+
+
+def test_bench_cli_errors_before_any_gpu_work():
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "kerneltools", "bench", *args], cwd=REPO_ROOT,
+                              capture_output=True, text=True, timeout=120)
+
+    both = run("--mlp-only", "--no-mlp")
+    assert both.returncode == 2 and "--mlp-only and --no-mlp leave nothing to run" in both.stderr
+    import torch
+
+    if not torch.cuda.is_available():
+        plain = run("--quick")
+        assert plain.returncode == 2 and "needs a CUDA GPU" in plain.stderr
