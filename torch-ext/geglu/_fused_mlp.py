@@ -376,9 +376,10 @@ def inference_forward(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, a
         if x.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
             return None  # nothing to time here (decisions for CPU tests are set by hand)
         kt.TUNED[key[:4] + (False,)] = _inference_config(M)
-        use = _DECISIONS[key] = _fused_is_faster(
-            lambda: fused_geglu_mlp_forward(x, w_gate, w_up, w_down, approximate),
-            lambda: _regular(x, w_gate, w_up, w_down, approximate))
+        with torch.cuda.device(x.device):  # the events, the L2 flush and the kernels on x's GPU
+            use = _DECISIONS[key] = _fused_is_faster(
+                lambda: fused_geglu_mlp_forward(x, w_gate, w_up, w_down, approximate),
+                lambda: _regular(x, w_gate, w_up, w_down, approximate))
     if not use:
         return None
     kt.TUNED.setdefault(key[:4] + (False,), _inference_config(M))
