@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kerneltools.bench import per_call_us  # noqa: E402
+from kerneltools.bench import graph_call_us, per_call_us  # noqa: E402
 
 
 def main():
@@ -82,16 +82,7 @@ def main():
     # per call = GPU time plus the graph's per-node cost, the host out of it.
     for label, fn in (("graph: ours geglu()", lambda: geglu.geglu(g, g, "tanh")),
                       ("graph: eager F.gelu(g)*u", lambda: F.gelu(g, approximate="tanh") * g)):
-        side = torch.cuda.Stream()
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(100):
-                fn()
-        print(f"{label:<40} {per_call_us(graph.replay, n=200) / 100:8.2f} us/call")
+        print(f"{label:<40} {graph_call_us(fn):8.2f} us/call")
     launch_floor()
 
 
