@@ -426,8 +426,8 @@ def main(args) -> int:
     if args.mlp_only:
         mlp = run_mlp(args.build_dir)
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "mlp.json").write_text(json.dumps(dict(meta=_meta(torch), mlp=mlp), indent=1))
         m = _meta(torch)
+        (args.out / "mlp.json").write_text(json.dumps(dict(meta=m, mlp=mlp), indent=1))
         (args.out / "mlp.md").write_text(f"# Whole GeGLU MLP on {m['card']}\n\n{m['date']}, commit {m['commit']}, "
                                          f"torch {m['torch']}, triton {m['triton']}, CUDA {m['cuda']}.\n"
                                          + mlp_markdown(mlp))
