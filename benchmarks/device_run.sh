@@ -3,7 +3,7 @@
 # Prepare here first: `python -m kerneltools build --capability 9.0` (carried as `build`) and the wheels in `.whl`
 # (docs/status.md lists them; carried as `.whl`). Then, e.g.:
 #   run(command="bash benchmarks/device_run.sh overhead tune tests", carry=["build", ".whl"])
-# Steps (in the order given): overhead, autograd, smallm, tune, tests, tests-mlp (the fused MLP and layer tests),
+# Steps (in the order given): overhead, autograd, smallm, tune, tests, tests-mlp (the MLP and layer tests),
 # transformers, fused (the fused-kernel sweep at 8192x4096x14336; fused-2304 at 8192x2304x9216), mlp (the whole-MLP
 # table alone), bench (bf16 with peers and the whole MLP; bench-fast: without max-autotune), bench-other (fp16 and
 # fp32, ours and eager), profile, sanitize.
@@ -46,7 +46,8 @@ for s in "$@"; do
         -p no:cacheprovider ;;
     fused) step fused 420 python3 benchmarks/bench_fused_mlp.py --build-dir build --shapes 8192x4096x14336 \
         --sweep epilogue --no-bwd-sweep --out "$OUT" ;;
-    tests-mlp) step tests-mlp 240 python3 -m pytest tests/kernel/test_fused_mlp.py tests/kernel/test_layers.py -q -x -s \
+    tests-mlp) step tests-mlp 300 python3 -m pytest tests/kernel/test_fused_mlp.py tests/kernel/test_layers.py \
+        tests/kernel/test_mlp_train.py -q -x -s \
         -p no:cacheprovider ;;
     fused-2304) step fused-2304 300 python3 benchmarks/bench_fused_mlp.py --build-dir build --shapes 8192x2304x9216 \
         --sweep epilogue --no-bwd-sweep --out "$OUT" ;;

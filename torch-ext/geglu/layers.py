@@ -10,7 +10,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from . import _backend, _fused_mlp
+from . import _backend, _fused_mlp, _mlp
 from .functional import geglu, geglu_packed
 
 # transformers' activation classes by the GELU they compute. Exact matches of F.gelu first; the tanh-formula
@@ -92,12 +92,24 @@ def _fused_inference(mlp, x: torch.Tensor) -> Optional[torch.Tensor]:
                                         approximate)
 
 
+def _training_step(mlp, x: torch.Tensor) -> Optional[torch.Tensor]:
+    """The training step as one autograd node (``_mlp``: eager's bits, less memory, less host time), or None."""
+    if not torch.is_grad_enabled():
+        return None
+    approximate = gelu_approximation(mlp.act_fn)
+    if approximate is None or not (_plain_linear(mlp.gate_proj) and _plain_linear(mlp.up_proj)
+                                   and _plain_linear(mlp.down_proj)):
+        return None
+    return _mlp.training_forward(x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, approximate)
+
+
 class GeGLUMLP(nn.Module):
     """Replaces a transformers gated MLP (``down_proj(act_fn(gate_proj(x)) * up_proj(x))``: Gemma, Gemma 2/3, …).
 
     The GELU flavour (erf or tanh) comes from the host's ``act_fn``; an activation that is not a GELU runs the
-    host's own computation. The backward writes the GeGLU gradients over the gate/up projections' outputs, which
-    nothing else reads, so training keeps two fewer activation-sized buffers than eager. Inference at prefill sizes
+    host's own computation. A training step with plain bias-free ``nn.Linear`` projections runs as one autograd
+    node (``_mlp``): eager's output and gradients bit for bit, with at most three [M, H] activation buffers live in
+    the backward (eager and Liger: four) and a fraction of eager's host time. Inference at prefill sizes
     takes the fused gate/up GEMM (the GeGLU in its epilogue: not bit-identical to eager, more accurate) where it
     measures faster on the device; ``GEGLU_FUSED_MLP=0`` turns that off.
     """
@@ -112,6 +124,8 @@ class GeGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _fused_inference(self, x)
+        if y is None:
+            y = _training_step(self, x)
         if y is not None:
             return y
         gate = self.gate_proj(x)
