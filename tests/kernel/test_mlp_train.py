@@ -10,13 +10,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ._reference import randn
-from .test_layers import GatedMLP, GeluTanh, _mapping
+from .test_layers import GatedMLP, GeluTanh
 
 kernels = pytest.importorskip("kernels")
-from kernels import Mode, kernelize, use_kernel_mapping  # noqa: E402
+from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping  # noqa: E402
 
 NODE = "GeGLUMLPFunctionBackward"
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def _pair(build_dir, device, dtype, act, d=48, h=136, seed=0):
@@ -25,8 +24,10 @@ def _pair(build_dir, device, dtype, act, d=48, h=136, seed=0):
     model = GatedMLP(d, h, act).to(device, dtype)
     ref = GatedMLP(d, h, act).to(device, dtype)
     ref.load_state_dict(model.state_dict())
-    with use_kernel_mapping(_mapping(build_dir, "GeGLUMLP")):
+    mapping = {"GeGLUMLP": {device: LocalLayerRepository(repo_path=build_dir, layer_name="GeGLUMLP")}}
+    with use_kernel_mapping(mapping):
         kernelize(model, mode=Mode.TRAINING, device=device)
+    assert model.forward.__func__.__qualname__.endswith("GeGLUMLP.forward")
     return model, ref
 
 
@@ -37,14 +38,27 @@ def _grads(model, x, dy):
     return y, torch.autograd.grad(y, inputs, dy)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+# CPU: small; CUDA: [M, H] above _backend.AUTOGRAD_EAGER_BELOW (2^21), where the node runs under 'auto' (the
+# Triton kernels), and a small step with the compiled library forced (GEGLU backend 'cuda').
+CASES = [pytest.param("cpu", (37,), 136, None, id="cpu-2d"), pytest.param("cpu", (3, 11), 136, None, id="cpu-3d"),
+         pytest.param("cuda", (2100,), 1024, None, id="cuda-2d", marks=pytest.mark.gpu),
+         pytest.param("cuda", (3, 700), 1024, None, id="cuda-3d", marks=pytest.mark.gpu),
+         pytest.param("cuda", (2, 9), 136, "cuda", id="cuda-small-lib", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device,shape,h,backend", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("act", [nn.GELU(), GeluTanh()], ids=["erf", "tanh"])
-@pytest.mark.parametrize("shape", [(37,), (3, 11)], ids=["2d", "3d"])
-def test_training_step_equals_eager_bitwise(build_dir, device, dtype, act, shape):
-    model, ref = _pair(build_dir, device, dtype, act)
+def test_training_step_equals_eager_bitwise(build_dir, geglu, device, shape, h, backend, dtype, act):
+    model, ref = _pair(build_dir, device, dtype, act, h=h)
     x = randn(*shape, 48, dtype=dtype, device=device, scale=2).requires_grad_()
-    y, grads = _grads(model, x, dy := randn(*shape, 48, dtype=dtype, device=device))
+    dy = randn(*shape, 48, dtype=dtype, device=device)
+    if backend:
+        geglu.set_backend(backend)
+    try:
+        y, grads = _grads(model, x, dy)
+    finally:
+        geglu.set_backend("auto")
     assert type(y.grad_fn).__name__ == NODE  # the one-node path ran
     y_ref, grads_ref = _grads(ref, x, dy)
     assert type(y_ref.grad_fn).__name__ != NODE

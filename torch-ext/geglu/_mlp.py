@@ -11,8 +11,9 @@ Why one node (docs/fused-mlp.md, "Training"):
   allocates d_h while g, u and h are alive (4 [M, H] buffers; Liger's GEGLU MLP too). Here the forward holds g, u and
   h; the backward computes dW_down first, then writes d_h over h (which nothing needs any more), then d_g, d_u over
   g, u, and frees each buffer as soon as its last GEMM has read it: at most 3 [M, H] buffers live.
-* **Less host time.** One node and ~12 aten calls instead of eight nodes and ~25 calls: small training steps
-  (decode-sized batches) are host-bound.
+* **Where.** Large CUDA steps and CPU. Below ``_backend.AUTOGRAD_EAGER_BELOW`` [M, H] elements under the 'auto'
+  backend, CUDA steps are host-bound and this Python node costs the host more than eager's C++ nodes (measured on
+  the H200's host at M=16: ~20 % slower although it issues fewer calls), so the caller runs eager's ops there.
 
 The activations are kept as attributes of the node (so that the backward can free them one by one) unless
 saved-tensor hooks are active (activation checkpointing, CPU offloading, ...): then they go through
@@ -28,6 +29,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from . import _backend
 from . import _custom_ops as _pw
 
 _PLAIN = (Tensor, torch.nn.Parameter)
@@ -59,7 +61,11 @@ def applies(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> bool:
         if w.dtype != x.dtype or w.device != dev or w.dim() != 2:
             return False
     H, D = w_gate.shape
-    return w_up.shape == w_gate.shape and D == x.shape[-1] and w_down.shape[1] == H and H > 0 and D > 0
+    if not (w_up.shape == w_gate.shape and D == x.shape[-1] and w_down.shape[1] == H and H > 0 and D > 0):
+        return False
+    # Small CUDA steps are host-bound, and a Python autograd node costs the host more than eager's C++ ones (the
+    # H200's host, M=16: benchmarks/results/h200/mlp-small-m.txt): there the caller runs eager's own ops.
+    return dev.type != "cuda" or not _backend.eager_autograd((x.numel() // D) * H)
 
 
 class GeGLUMLPFunction(torch.autograd.Function):
