@@ -52,6 +52,11 @@ def applies(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> bool:
         return False
     if not (type(x) in _PLAIN and type(w_gate) in _PLAIN and type(w_up) in _PLAIN and type(w_down) in _PLAIN):
         return False
+    if x.is_cuda and w_gate.dim() == 2 and x.dim() >= 2 and x.shape[-1] > 0 and _backend.eager_autograd(
+            x.numel() // x.shape[-1] * w_gate.shape[0]):
+        # Small CUDA steps are host-bound, and a Python autograd node costs the host more than eager's C++ ones (the
+        # H200's host, M=16: benchmarks/results/h200/mlp-small-m.txt): there the caller runs eager's own ops.
+        return False
     if not (x.requires_grad or w_gate.requires_grad or w_up.requires_grad or w_down.requires_grad):
         return False
     dev = x.device
@@ -61,11 +66,7 @@ def applies(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> bool:
         if w.dtype != x.dtype or w.device != dev or w.dim() != 2:
             return False
     H, D = w_gate.shape
-    if not (w_up.shape == w_gate.shape and D == x.shape[-1] and w_down.shape[1] == H and H > 0 and D > 0):
-        return False
-    # Small CUDA steps are host-bound, and a Python autograd node costs the host more than eager's C++ ones (the
-    # H200's host, M=16: benchmarks/results/h200/mlp-small-m.txt): there the caller runs eager's own ops.
-    return dev.type != "cuda" or not _backend.eager_autograd((x.numel() // D) * H)
+    return w_up.shape == w_gate.shape and D == x.shape[-1] and w_down.shape[1] == H and H > 0 and D > 0
 
 
 class GeGLUMLPFunction(torch.autograd.Function):

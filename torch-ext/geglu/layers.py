@@ -8,6 +8,7 @@ They follow the kernels layer rules: no ``__init__``, no members besides ``forwa
 from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import _backend, _fused_mlp, _mlp
@@ -92,17 +93,6 @@ def _fused_inference(mlp, x: torch.Tensor) -> Optional[torch.Tensor]:
                                         approximate)
 
 
-def _training_step(mlp, x: torch.Tensor) -> Optional[torch.Tensor]:
-    """The training step as one autograd node (``_mlp``: eager's bits, less memory, less host time), or None."""
-    if not torch.is_grad_enabled():
-        return None
-    approximate = gelu_approximation(mlp.act_fn)
-    if approximate is None or not (_plain_linear(mlp.gate_proj) and _plain_linear(mlp.up_proj)
-                                   and _plain_linear(mlp.down_proj)):
-        return None
-    return _mlp.training_forward(x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, approximate)
-
-
 class GeGLUMLP(nn.Module):
     """Replaces a transformers gated MLP (``down_proj(act_fn(gate_proj(x)) * up_proj(x))``: Gemma, Gemma 2/3, …).
 
@@ -124,16 +114,26 @@ class GeGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _fused_inference(self, x)
-        if y is None:
-            y = _training_step(self, x)
         if y is not None:
             return y
-        gate = self.gate_proj(x)
+        gate_proj, up_proj, down_proj = self.gate_proj, self.up_proj, self.down_proj
+        if not (_plain_linear(gate_proj) and _plain_linear(up_proj) and _plain_linear(down_proj)):
+            gate = gate_proj(x)  # quantized or adapted projections: the modules themselves
+            return down_proj(gated(self.act_fn, gate, up_proj(x)))
+        # Plain nn.Linear projections: F.linear on their weights, which is what their forward runs, without three
+        # module calls (host time, at decode sizes the whole cost).
+        if torch.is_grad_enabled():
+            approximate = gelu_approximation(self.act_fn)
+            if approximate is not None:  # the training step as one node (_mlp), where it applies
+                y = _mlp.training_forward(x, gate_proj.weight, up_proj.weight, down_proj.weight, approximate)
+                if y is not None:
+                    return y
+        gate = F.linear(x, gate_proj.weight)
         if gate.requires_grad and gate.is_cuda and _backend.eager_autograd(gate.numel()):
-            # Small training steps run PyTorch's own GeGLU ops (host-bound; see _backend): here in the host's
-            # exact order, so that the step is eager's, op for op.
-            return self.down_proj(self.act_fn(gate) * self.up_proj(x))
-        return self.down_proj(gated(self.act_fn, gate, self.up_proj(x)))
+            # Small CUDA training steps run PyTorch's own GeGLU ops (host-bound; see _backend) in the host's exact
+            # order, so that the step is eager's, op for op.
+            return F.linear(self.act_fn(gate) * F.linear(x, up_proj.weight), down_proj.weight)
+        return F.linear(gated(self.act_fn, gate, F.linear(x, up_proj.weight)), down_proj.weight)
 
 
 class GeGLUMLPWithDropout(nn.Module):
