@@ -312,6 +312,10 @@ def run_mlp(build_dir: Path, shapes=MLP_SHAPES, log=print) -> dict:
 
             t_f = sorted(timings[name][0])[rounds // 2]
             t_fb = sorted(timings[name][1])[rounds // 2] if timings[name][1] else None
+            # Per-round ratios to eager (the pair ran seconds apart, under the same clocks and host load): steadier
+            # than a ratio of medians where rows are host-bound or the clocks drift.
+            vs_f = _round_ratio(timings[name][0], timings["eager"][0])
+            vs_fb = _round_ratio(timings[name][1], timings["eager"][1]) if t_fb is not None else None
             fwd_peak = _peak_mib(torch, lambda: _no_grad_call(torch, mod, x))
             peak = _peak_mib(torch, fwd_bwd) if t_fb is not None else None
             rows.append(dict(M=M, D=D, H=H, impl=name, fwd_us=round(t_f, 1),
@@ -319,12 +323,19 @@ def run_mlp(build_dir: Path, shapes=MLP_SHAPES, log=print) -> dict:
                              fwd_pct_cublas=round(100 * flops_f / (t_f * 1e-6) / 1e12 / peak_tflops, 1),
                              fwd_bwd_pct_cublas=(round(100 * 3 * flops_f / (t_fb * 1e-6) / 1e12 / peak_tflops, 1)
                                                  if t_fb else None),
+                             fwd_vs_eager=vs_f, fwd_bwd_vs_eager=vs_fb,
                              fwd_peak_mib=round(fwd_peak, 1), peak_mib=round(peak, 1) if peak is not None else None))
             log(f"MLP {M}x{D}x{H} {name}: fwd {t_f:.1f}us fwd+bwd {t_fb or float('nan'):.1f}us "
                 f"peak fwd {fwd_peak:.0f} MiB, fwd+bwd {peak or float('nan'):.0f} MiB")
         del impls, x, xg, dy
         torch.cuda.empty_cache()
     return dict(cublas_tflops=round(peak_tflops, 1), rows=rows)
+
+
+def _round_ratio(times: list, ref: list) -> float:
+    """Median over rounds of time / reference time in the same round."""
+    ratios = sorted(t / r for t, r in zip(times, ref))
+    return round(ratios[len(ratios) // 2], 3)
 
 
 def _peak_mib(torch, fn) -> float:
@@ -346,14 +357,15 @@ def mlp_markdown(res: dict) -> str:
              "a do_bench median; peak = "
              "memory allocated above the inputs during one forward (no grad) or forward+backward. "
              "'ours' takes the fused gate/up GEMM in inference where it times faster; "
-             f"'{UNFUSED_ROW}' is ours without it (forward only: training is the same path).", "",
-             "| M x D x H | impl | fwd µs | fwd % cuBLAS | fwd+bwd µs | fwd+bwd % cuBLAS | peak extra MiB (fwd) "
-             "| peak extra MiB (fwd+bwd) |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"'{UNFUSED_ROW}' is ours without it (forward only: training is the same path). "
+             "'/ eager' = the median over rounds of the time divided by eager's in the same round.", "",
+             "| M x D x H | impl | fwd µs | fwd % cuBLAS | fwd / eager | fwd+bwd µs | fwd+bwd % cuBLAS "
+             "| fwd+bwd / eager | peak extra MiB (fwd) | peak extra MiB (fwd+bwd) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         lines.append(f"| {r['M']}x{r['D']}x{r['H']} | {r['impl']} | {r['fwd_us']} | {r['fwd_pct_cublas']} | "
-                     f"{cell(r['fwd_bwd_us'])} | {cell(r['fwd_bwd_pct_cublas'])} | {cell(r.get('fwd_peak_mib'))} | "
-                     f"{cell(r['peak_mib'])} |")
+                     f"{cell(r.get('fwd_vs_eager'))} | {cell(r['fwd_bwd_us'])} | {cell(r['fwd_bwd_pct_cublas'])} | "
+                     f"{cell(r.get('fwd_bwd_vs_eager'))} | {cell(r.get('fwd_peak_mib'))} | {cell(r['peak_mib'])} |")
     return "\n".join(lines) + "\n"
 
 

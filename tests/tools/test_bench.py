@@ -12,6 +12,7 @@ from kerneltools import bench
 def _row(impl, fwd, fwd_bwd):
     return dict(M=8192, D=2304, H=9216, impl=impl, fwd_us=fwd, fwd_pct_cublas=98.2,
                 fwd_bwd_us=fwd_bwd, fwd_bwd_pct_cublas=92.5 if fwd_bwd else None,
+                fwd_vs_eager=0.896, fwd_bwd_vs_eager=0.956 if fwd_bwd else None,
                 fwd_peak_mib=180.0, peak_mib=652.5 if fwd_bwd else None)
 
 
@@ -22,8 +23,14 @@ def test_mlp_markdown_marks_forward_only_rows():
     assert "cuBLAS 8192^3 at 707.7 TFLOP/s" in md and bench.UNFUSED_ROW in md
     ours = next(line for line in lines if line.startswith("| 8192x2304x9216 | ours |"))
     unfused = next(line for line in lines if line.startswith(f"| 8192x2304x9216 | {bench.UNFUSED_ROW} |"))
-    assert ours.split(" | ")[2:] == ["1501.0", "98.2", "4784.0", "92.5", "180.0", "652.5 |"]
-    assert unfused.split(" | ")[2:] == ["1608.7", "98.2", "—", "—", "180.0", "— |"]
+    assert ours.split(" | ")[2:] == ["1501.0", "98.2", "0.896", "4784.0", "92.5", "0.956", "180.0", "652.5 |"]
+    assert unfused.split(" | ")[2:] == ["1608.7", "98.2", "0.896", "—", "—", "—", "180.0", "— |"]
+
+
+def test_round_ratio_pairs_rounds():
+    """Each round's time is divided by eager's in the same round, then the median is taken."""
+    assert bench._round_ratio([10.0, 30.0, 21.0], [10.0, 20.0, 20.0]) == 1.05
+    assert bench._round_ratio([5.0], [4.0]) == 1.25
 
 
 def test_bench_cli_errors_before_any_gpu_work():
