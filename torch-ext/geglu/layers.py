@@ -80,6 +80,14 @@ def _plain_linear(m) -> bool:
     return (type(m) is nn.Linear and m.bias is None and not m._forward_hooks and not m._forward_pre_hooks)
 
 
+def _weight_linear(m, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, m.weight)  # a plain bias-free nn.Linear's forward, without the module call
+
+
+def _module_call(m, x: torch.Tensor) -> torch.Tensor:
+    return m(x)
+
+
 def _fused_inference(mlp, x: torch.Tensor) -> Optional[torch.Tensor]:
     """The fused gate/up GEMM path for inference (docs/fused-mlp.md; off with GEGLU_FUSED_MLP=0), or None."""
     if (not _fused_mlp.ENABLED or torch.is_grad_enabled() or x.dim() < 2
@@ -98,8 +106,8 @@ class GeGLUMLP(nn.Module):
 
     The GELU flavour (erf or tanh) comes from the host's ``act_fn``; an activation that is not a GELU runs the
     host's own computation. A training step with plain bias-free ``nn.Linear`` projections runs as one autograd
-    node (``_mlp``): eager's output and gradients bit for bit, with at most three [M, H] activation buffers live in
-    the backward (eager and Liger: four) and a fraction of eager's host time. Inference at prefill sizes
+    node (``_mlp``, at CPU and large CUDA sizes): eager's output and gradients bit for bit, with at most three
+    [M, H] activation buffers live in the backward (eager and Liger: four). Inference at prefill sizes
     takes the fused gate/up GEMM (the GeGLU in its epilogue: not bit-identical to eager, more accurate) where it
     measures faster on the device; ``GEGLU_FUSED_MLP=0`` turns that off.
     """
@@ -117,23 +125,22 @@ class GeGLUMLP(nn.Module):
         if y is not None:
             return y
         gate_proj, up_proj, down_proj = self.gate_proj, self.up_proj, self.down_proj
-        if not (_plain_linear(gate_proj) and _plain_linear(up_proj) and _plain_linear(down_proj)):
-            gate = gate_proj(x)  # quantized or adapted projections: the modules themselves
-            return down_proj(gated(self.act_fn, gate, up_proj(x)))
-        # Plain nn.Linear projections: F.linear on their weights, which is what their forward runs, without three
-        # module calls (host time, at decode sizes the whole cost).
-        if torch.is_grad_enabled():
+        plain = _plain_linear(gate_proj) and _plain_linear(up_proj) and _plain_linear(down_proj)
+        if plain and torch.is_grad_enabled():
             approximate = gelu_approximation(self.act_fn)
             if approximate is not None:  # the training step as one node (_mlp), where it applies
                 y = _mlp.training_forward(x, gate_proj.weight, up_proj.weight, down_proj.weight, approximate)
                 if y is not None:
                     return y
-        gate = F.linear(x, gate_proj.weight)
+        # Plain nn.Linear projections: F.linear on their weights, which is what their forward runs, without the
+        # module calls (host time: at decode sizes the whole cost). Others (quantized, adapted): the modules.
+        proj = _weight_linear if plain else _module_call
+        gate = proj(gate_proj, x)
         if gate.requires_grad and gate.is_cuda and _backend.eager_autograd(gate.numel()):
             # Small CUDA training steps run PyTorch's own GeGLU ops (host-bound; see _backend) in the host's exact
-            # order, so that the step is eager's, op for op.
-            return F.linear(self.act_fn(gate) * F.linear(x, up_proj.weight), down_proj.weight)
-        return F.linear(gated(self.act_fn, gate, F.linear(x, up_proj.weight)), down_proj.weight)
+            # order with the host's activation, so that the step is eager's, op for op.
+            return proj(down_proj, self.act_fn(gate) * proj(up_proj, x))
+        return proj(down_proj, gated(self.act_fn, gate, proj(up_proj, x)))
 
 
 class GeGLUMLPWithDropout(nn.Module):
