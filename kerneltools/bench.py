@@ -327,6 +327,11 @@ def run_mlp(build_dir: Path, shapes=MLP_SHAPES, log=print) -> dict:
                              fwd_peak_mib=round(fwd_peak, 1), peak_mib=round(peak, 1) if peak is not None else None))
             log(f"MLP {M}x{D}x{H} {name}: fwd {t_f:.1f}us fwd+bwd {t_fb or float('nan'):.1f}us "
                 f"peak fwd {fwd_peak:.0f} MiB, fwd+bwd {peak or float('nan'):.0f} MiB")
+        fm = importlib.import_module(geglu.__name__ + "._fused_mlp")
+        for key, t in getattr(fm, "DECISION_TIMES", {}).items():
+            if key[1:3] == (D, H) and t:
+                log(f"MLP {M}x{D}x{H} ours: the fused-path rule timed fused {t['fused_ms'] * 1e3:.0f} us vs regular "
+                    f"{t['regular_ms'] * 1e3:.0f} us -> {'fused' if fm._DECISIONS.get(key) else 'regular'}")
         del impls, x, xg, dy
         torch.cuda.empty_cache()
     return dict(cublas_tflops=round(peak_tflops, 1), rows=rows)

@@ -417,12 +417,16 @@ def test_gpu_geglumlp_inference_times_once_per_shape(geglu, fm, kt, approximate,
     is no less accurate than eager's; during CUDA-graph capture an undecided shape takes the regular path."""
     monkeypatch.setattr(fm, "ENABLED", True)
     monkeypatch.setattr(fm, "_DECISIONS", {})
+    monkeypatch.setattr(fm, "DECISION_TIMES", {})
     monkeypatch.setattr(kt, "TUNED", {})
     m, x = _mlp_layer(geglu, 256, 1024, torch.bfloat16, approximate)
     with torch.no_grad():
         y = m(x)
         assert len(fm._DECISIONS) == 1
-        monkeypatch.setattr(fm, "_fused_is_faster", lambda *a: pytest.fail("timed twice"))
+        times = fm.DECISION_TIMES[next(iter(fm._DECISIONS))]  # the medians it compared, recorded with the decision
+        assert times["fused_ms"] > 0 and times["regular_ms"] > 0
+        assert fm._DECISIONS[next(iter(fm._DECISIONS))] == (times["fused_ms"] < fm._MARGIN * times["regular_ms"])
+        monkeypatch.setattr(fm, "_fused_is_faster", lambda *a, **k: pytest.fail("timed twice"))
         assert torch.equal(m(x), y)
         eager = _eager(x, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight, approximate)
         ref = F.linear(_fp64_h(x, m.gate_proj.weight, m.up_proj.weight, approximate), m.down_proj.weight.double())
