@@ -80,25 +80,23 @@ def _plain_linear(m) -> bool:
     return (type(m) is nn.Linear and m.bias is None and not m._forward_hooks and not m._forward_pre_hooks)
 
 
-def _weight_linear(m, x: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, m.weight)  # a plain bias-free nn.Linear's forward, without the module call
-
-
-def _module_call(m, x: torch.Tensor) -> torch.Tensor:
-    return m(x)
-
-
-def _fused_inference(mlp, x: torch.Tensor) -> Optional[torch.Tensor]:
-    """The fused gate/up GEMM path for inference (docs/fused-mlp.md; off with GEGLU_FUSED_MLP=0), or None."""
-    if (not _fused_mlp.ENABLED or torch.is_grad_enabled() or x.dim() < 2
-            or x.numel() <= _fused_mlp.DECODE_MAX_M * x.shape[-1]):
+def _fused_inference(mlp, x: torch.Tensor, w_gate, w_up, w_down) -> Optional[torch.Tensor]:
+    """The fused gate/up GEMM path for inference with plain projections (docs/fused-mlp.md; off with
+    GEGLU_FUSED_MLP=0), or None."""
+    if not _fused_mlp.ENABLED or x.dim() < 2 or x.numel() <= _fused_mlp.DECODE_MAX_M * x.shape[-1]:
         return None  # decode sizes return here, before any other check: they are host-bound
     approximate = gelu_approximation(mlp.act_fn)
-    if approximate is None or not (_plain_linear(mlp.gate_proj) and _plain_linear(mlp.up_proj)
-                                   and _plain_linear(mlp.down_proj)):
+    if approximate is None:
         return None
-    return _fused_mlp.inference_forward(x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight,
-                                        approximate)
+    return _fused_mlp.inference_forward(x, w_gate, w_up, w_down, approximate)
+
+
+def _through_modules(mlp, x: torch.Tensor) -> torch.Tensor:
+    """Projections that are not plain nn.Linear (quantized, adapted, with hooks or a bias): the modules themselves."""
+    gate = mlp.gate_proj(x)
+    if gate.requires_grad and gate.is_cuda and _backend.eager_autograd(gate.numel()):
+        return mlp.down_proj(mlp.act_fn(gate) * mlp.up_proj(x))  # as in GeGLUMLP.forward
+    return mlp.down_proj(gated(mlp.act_fn, gate, mlp.up_proj(x)))
 
 
 class GeGLUMLP(nn.Module):
@@ -121,26 +119,28 @@ class GeGLUMLP(nn.Module):
     act_fn: nn.Module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _fused_inference(self, x)
-        if y is not None:
-            return y
         gate_proj, up_proj, down_proj = self.gate_proj, self.up_proj, self.down_proj
-        plain = _plain_linear(gate_proj) and _plain_linear(up_proj) and _plain_linear(down_proj)
-        if plain and torch.is_grad_enabled():
+        if not (_plain_linear(gate_proj) and _plain_linear(up_proj) and _plain_linear(down_proj)):
+            return _through_modules(self, x)
+        # Plain nn.Linear projections: F.linear on their weights is what their forward runs; skipping the module
+        # calls saves host time, which at decode sizes is the whole cost.
+        w_gate, w_up, w_down = gate_proj.weight, up_proj.weight, down_proj.weight
+        if not torch.is_grad_enabled():
+            y = _fused_inference(self, x, w_gate, w_up, w_down)
+            if y is not None:
+                return y
+        elif not (x.is_cuda and _backend.eager_autograd(x.numel() // max(x.shape[-1], 1) * w_gate.shape[0])):
             approximate = gelu_approximation(self.act_fn)
             if approximate is not None:  # the training step as one node (_mlp), where it applies
-                y = _mlp.training_forward(x, gate_proj.weight, up_proj.weight, down_proj.weight, approximate)
+                y = _mlp.training_forward(x, w_gate, w_up, w_down, approximate)
                 if y is not None:
                     return y
-        # Plain nn.Linear projections: F.linear on their weights, which is what their forward runs, without the
-        # module calls (host time: at decode sizes the whole cost). Others (quantized, adapted): the modules.
-        proj = _weight_linear if plain else _module_call
-        gate = proj(gate_proj, x)
+        gate = F.linear(x, w_gate)
         if gate.requires_grad and gate.is_cuda and _backend.eager_autograd(gate.numel()):
             # Small CUDA training steps run PyTorch's own GeGLU ops (host-bound; see _backend) in the host's exact
             # order with the host's activation, so that the step is eager's, op for op.
-            return proj(down_proj, self.act_fn(gate) * proj(up_proj, x))
-        return proj(down_proj, gated(self.act_fn, gate, proj(up_proj, x)))
+            return F.linear(self.act_fn(gate) * F.linear(x, w_up), w_down)
+        return F.linear(gated(self.act_fn, gate, F.linear(x, w_up)), w_down)
 
 
 class GeGLUMLPWithDropout(nn.Module):
