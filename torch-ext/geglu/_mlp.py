@@ -45,6 +45,13 @@ def _hooks_active() -> bool:
     return _top_hooks is None or _top_hooks(False) is not None
 
 
+def host_bound(x: Tensor, w_gate: Tensor) -> bool:
+    """A small CUDA step under the 'auto' backend (fewer than ``_backend.AUTOGRAD_EAGER_BELOW`` [M, H] elements):
+    host-bound, and a Python autograd node costs the host more than eager's C++ ones (the H200's host, M=16:
+    benchmarks/results/h200/mlp-small-m-node.txt), so the caller runs eager's own ops there."""
+    return x.is_cuda and _backend.eager_autograd(x.numel() // max(x.shape[-1], 1) * w_gate.shape[0])
+
+
 def applies(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> bool:
     """Whether the training step can run as one node here: a gradient to record, plain eager CUDA/CPU tensors of one
     float dtype and device, nn.Linear-shaped weights ([H, D], [H, D], [D_out, H]), no autocast."""
@@ -52,10 +59,7 @@ def applies(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> bool:
         return False
     if not (type(x) in _PLAIN and type(w_gate) in _PLAIN and type(w_up) in _PLAIN and type(w_down) in _PLAIN):
         return False
-    if x.is_cuda and w_gate.dim() == 2 and x.dim() >= 2 and x.shape[-1] > 0 and _backend.eager_autograd(
-            x.numel() // x.shape[-1] * w_gate.shape[0]):
-        # Small CUDA steps are host-bound, and a Python autograd node costs the host more than eager's C++ ones (the
-        # H200's host, M=16: benchmarks/results/h200/mlp-small-m.txt): there the caller runs eager's own ops.
+    if x.dim() < 2 or w_gate.dim() != 2 or host_bound(x, w_gate):
         return False
     if not (x.requires_grad or w_gate.requires_grad or w_up.requires_grad or w_down.requires_grad):
         return False
@@ -139,4 +143,4 @@ def training_forward(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, ap
     return _apply(x, w_gate, w_up, w_down, approximate)
 
 
-__all__ = ["GeGLUMLPFunction", "applies", "training_forward"]
+__all__ = ["GeGLUMLPFunction", "applies", "host_bound", "training_forward"]

@@ -129,7 +129,7 @@ class GeGLUMLP(nn.Module):
             y = _fused_inference(self, x, w_gate, w_up, w_down)
             if y is not None:
                 return y
-        elif not (x.is_cuda and _backend.eager_autograd(x.numel() // max(x.shape[-1], 1) * w_gate.shape[0])):
+        elif not _mlp.host_bound(x, w_gate):
             approximate = gelu_approximation(self.act_fn)
             if approximate is not None:  # the training step as one node (_mlp), where it applies
                 y = _mlp.training_forward(x, w_gate, w_up, w_down, approximate)
