@@ -303,24 +303,23 @@ def run_mlp(build_dir: Path, shapes=MLP_SHAPES, log=print) -> dict:
         ratios = {name: ([], []) for name in impls}
         others = [name for name in impls if name != "eager"]
         rounds = 3 if M > 64 else 11  # decode-sized rows are host-bound and noisier (±30 %)
-        for r in range(rounds):
-            for i, name in enumerate(others if r % 2 == 0 else others[::-1]):
-                pair = ["eager", name] if (r + i) % 2 == 0 else [name, "eager"]
-                got = {}
-                for n in pair:
-                    mod = impls[n]
-                    params = [p for p in mod.parameters()] + [xg]
-                    t_f = _median_us(lambda: _no_grad_call(torch, mod, x), rep_ms=100)
-                    t_fb = None
-                    if n != UNFUSED_ROW:  # its training path is "ours"
-                        t_fb = _median_us(lambda: torch.autograd.grad(mod(xg), params, dy), rep_ms=100)
-                    got[n] = (t_f, t_fb)
-                    timings[n][0].append(t_f)
-                    if t_fb is not None:
-                        timings[n][1].append(t_fb)
-                ratios[name][0].append(got[name][0] / got["eager"][0])
-                if got[name][1] is not None:
-                    ratios[name][1].append(got[name][1] / got["eager"][1])
+        for pair in _pair_schedule(others, rounds):
+            name = pair[1] if pair[0] == "eager" else pair[0]
+            got = {}
+            for n in pair:
+                mod = impls[n]
+                params = [p for p in mod.parameters()] + [xg]
+                t_f = _median_us(lambda: _no_grad_call(torch, mod, x), rep_ms=100)
+                t_fb = None
+                if n != UNFUSED_ROW:  # its training path is "ours"
+                    t_fb = _median_us(lambda: torch.autograd.grad(mod(xg), params, dy), rep_ms=100)
+                got[n] = (t_f, t_fb)
+                timings[n][0].append(t_f)
+                if t_fb is not None:
+                    timings[n][1].append(t_fb)
+            ratios[name][0].append(got[name][0] / got["eager"][0])
+            if got[name][1] is not None:
+                ratios[name][1].append(got[name][1] / got["eager"][1])
         for name, mod in impls.items():
             params = [p for p in mod.parameters()] + [xg]
 
@@ -349,6 +348,19 @@ def run_mlp(build_dir: Path, shapes=MLP_SHAPES, log=print) -> dict:
         del impls, x, xg, dy
         torch.cuda.empty_cache()
     return dict(cublas_tflops=round(peak_tflops, 1), rows=rows)
+
+
+def _pair_schedule(others: list, rounds: int) -> list:
+    """The benchmark's timing order: per round, each implementation in ``others`` next to eager, as a pair
+    [first, second]; the implementations' order reverses every round and eager's place in the pair alternates, so
+    that neither a place in the round nor a place in the pair favours anyone."""
+    pairs = []
+    for r in range(rounds):
+        for name in others if r % 2 == 0 else others[::-1]:
+            # eager's place alternates per implementation from round to round (keyed on the implementation, not on
+            # its place in the reversed order, which would pin each one to one side of its pair)
+            pairs.append(["eager", name] if (r + others.index(name)) % 2 == 0 else [name, "eager"])
+    return pairs
 
 
 def _median(values: list) -> float:

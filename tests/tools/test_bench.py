@@ -43,3 +43,15 @@ def test_bench_cli_errors_before_any_gpu_work():
     if not torch.cuda.is_available():
         plain = run("--quick")
         assert plain.returncode == 2 and "needs a CUDA GPU" in plain.stderr
+
+
+def test_pair_schedule_pairs_everyone_with_eager_in_both_places():
+    others = ["torch.compile", "liger", "ours", bench.UNFUSED_ROW]
+    pairs = bench._pair_schedule(others, 3)
+    assert len(pairs) == 3 * len(others) and all(len(p) == 2 and "eager" in p for p in pairs)
+    for r in range(3):  # every implementation once per round
+        assert sorted(n for p in pairs[r * 4:(r + 1) * 4] for n in p if n != "eager") == sorted(others)
+    for name in others:  # eager both before and after each implementation over the rounds
+        places = {p.index("eager") for p in pairs if name in p}
+        assert places == {0, 1}, name
+    assert bench._pair_schedule(["ours"], 2) == [["eager", "ours"], ["ours", "eager"]]
