@@ -174,3 +174,27 @@ def test_gpu_backward_peak_memory_below_eager(build_dir, act):
     # g, u, h alive.
     assert peaks["ours"] <= 3 * E + 3 * W + 4 * M * D * 2 + (8 << 20)
     assert peaks["ours"] <= peaks["eager"] - E + (8 << 20)
+
+
+def test_compiled_training_step_takes_the_regular_path(build_dir):
+    """Under torch.compile(fullgraph=True) the node is not used (the layer's regular path and the ops are traced),
+    and a training step compiles and gives eager's output and gradients."""
+    torch.manual_seed(0)
+    model = GatedMLP(16, 40, nn.GELU(approximate="tanh"))
+    ref = GatedMLP(16, 40, nn.GELU(approximate="tanh"))
+    ref.load_state_dict(model.state_dict())
+    mapping = {"GeGLUMLP": {"cpu": LocalLayerRepository(repo_path=build_dir, layer_name="GeGLUMLP")}}
+    with use_kernel_mapping(mapping):
+        kernelize(model, mode=Mode.TRAINING | Mode.TORCH_COMPILE, device="cpu")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    x = randn(3, 5, 16, dtype=torch.float32, device="cpu").requires_grad_()
+    dy = randn(3, 5, 16, dtype=torch.float32, device="cpu")
+    y = compiled(x)
+    assert type(y.grad_fn).__name__ != NODE
+    grads = torch.autograd.grad(y, [x] + list(model.parameters()), dy)
+    y_ref = ref(x)
+    grads_ref = torch.autograd.grad(y_ref, [x] + list(ref.parameters()), dy)
+    torch.testing.assert_close(y, y_ref, rtol=1e-6, atol=1e-6)
+    for a, b in zip(grads, grads_ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
