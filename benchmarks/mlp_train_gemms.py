@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kerneltools.bench import _median_us, cublas_tflops, mlp_impls  # noqa: E402
+from kerneltools.bench import _median, _median_us, cublas_tflops, mlp_impls  # noqa: E402
 
 
 def candidates(geglu, M, D, H):
@@ -82,7 +82,7 @@ def main():
                 times[k].append(_median_us(fn, rep_ms=100))
         print(f"\n{M}x{D}x{H} (one GEMM unit 2*M*D*H = {2 * M * D * H / 1e12:.3f} TFLOP)")
         for k, (fn, flops) in cands.items():
-            t = sorted(times[k])[len(times[k]) // 2]
+            t = _median(times[k])
             rate = f"{flops / t / 1e6:6.0f} TFLOP/s {100 * flops / t / 1e6 / peak:5.1f}%" if flops else ""
             print(f"  {k:<58} {t:9.1f} us  {rate}")
         del cands, impls

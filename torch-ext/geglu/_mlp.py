@@ -64,7 +64,7 @@ def applies(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> bool:
     if not (x.requires_grad or w_gate.requires_grad or w_up.requires_grad or w_down.requires_grad):
         return False
     dev = x.device
-    if dev.type not in ("cuda", "cpu") or x.dtype not in _FLOATS or x.dim() < 2 or torch.is_autocast_enabled(dev.type):
+    if dev.type not in ("cuda", "cpu") or x.dtype not in _FLOATS or torch.is_autocast_enabled(dev.type):
         return False
     for w in (w_gate, w_up, w_down):
         if w.dtype != x.dtype or w.device != dev or w.dim() != 2:
