@@ -29,8 +29,9 @@ def main(argv=None) -> int:
     ap.add_argument("--triton-path", default=None, help="folder holding the triton package to compile with")
     ap.add_argument("--shape", default="8192x4096x14336", help="MxDxH (only divisibility matters)")
     ap.add_argument("--config", default=None, help="only the config with this label")
-    ap.add_argument("--kernel", default="all", choices=["fwd", "bwd", "all"],
-                    help="fwd: gate/up GEMM + GeGLU; bwd: dY @ Wd + dGeGLU (+ h)")
+    ap.add_argument("--kernel", default="all", choices=["fwd", "bwd", "packed", "all"],
+                    help="fwd: gate/up GEMM + GeGLU; bwd: dY @ Wd + dGeGLU (+ h); packed: the row-interleaved "
+                         "[2H, D] weight's kernel")
     ap.add_argument("--save", action="store_true", help="also the training variant (writes [g|u])")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--approximate", default="tanh", choices=["tanh", "none"])
@@ -119,7 +120,27 @@ def main(argv=None) -> int:
             K_3KAPPA=kt.K_3KAPPA, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, **kt._maxnreg(cfg),
             grid=(1,))
 
+    wp = torch.empty(2 * H, D, dtype=bf)
+
+    def compile_packed(cfg, save):
+        g_view, u_view = (gu[:, :H], gu[:, H:]) if save else (h, h)
+        bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+        kargs = [desc(t, b) for t, b in ((x, [bm, bk]), (wp, [2 * bn, bk]), (h, [bm, bn]), (g_view, [bm, bn]),
+                                         (u_view, [bm, bn]))]
+        return kt._packed_gate_up_geglu_kernel.warmup(
+            *kargs, M, H, D, TANH=args.approximate == "tanh", SAVE=save, DOT_F32=False,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
+            PERSISTENT=cfg.persistent, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
+            FAST_EPI=cfg.fast_epi, K_BETA_TANH=kt.K_BETA_TANH, K_KAPPA=kt.K_KAPPA, K_ALPHA=kt.K_ALPHA,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, **kt._maxnreg(cfg),
+            grid=(1,))
+
     jobs = []
+    if args.kernel in ("packed", "all"):
+        for save in ((False, True) if args.save else (False,)):
+            for cfg in dict.fromkeys(kt.PACKED_SWEEP):
+                jobs.append((f"{'packed train' if save else 'packed infer'} {cfg.label()}", cfg, compile_packed,
+                             save))
     if args.kernel in ("fwd", "all"):
         for save in ((False, True) if args.save else (False,)):
             for cfg in dict.fromkeys([kt.LARGE, kt.MEDIUM] + list(kt.SWEEP)):

@@ -163,6 +163,72 @@ def _gate_up_geglu_kernel(x_ptr, wg_ptr, wu_ptr, out_ptr, g_ptr, u_ptr, M, N, K,
                       K_BETA_TANH, K_KAPPA, K_ALPHA)
 
 
+# --- packed weight: one N = 2 * BLOCK_N dot per K step --------------------------------------------------------
+
+
+@triton.jit
+def _packed_tile(x_ptr, w_ptr, out_ptr, g_ptr, u_ptr, M, N, K, pid_m, pid_n,
+                 TANH: tl.constexpr, SAVE: tl.constexpr, DOT_F32: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FAST_EPI: tl.constexpr,
+                 K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr):
+    """One [BLOCK_M, BLOCK_N] tile of h from the row-interleaved weight w [2N, K] (row 2j = gate row j, row 2j+1 =
+    up row j): one dot of N = 2 * BLOCK_N per K step (the widest wgmma, the x tile read once per step), whose
+    accumulator columns alternate gate, up. In the wgmma accumulator layout each thread holds adjacent column
+    pairs, so splitting gate from up is a register renaming."""
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    T = x_ptr.dtype
+    acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        a = x_ptr.load([off_m, k * BLOCK_K])
+        b = w_ptr.load([2 * off_n, k * BLOCK_K])
+        if DOT_F32:
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32).T, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b.T, acc)
+    acc_g, acc_u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+    if FAST_EPI:
+        if TANH:
+            z = (2.0 * K_BETA_TANH * 1.4426950408889634) * acc_g * tl.fma(acc_g * acc_g, K_KAPPA, 1.0)
+            h = acc_g * _fast_rcp(1.0 + tl.exp2(-z))
+        else:
+            h = _gelu(acc_g, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA)
+        y = _round(h * acc_u, T)
+        if SAVE:
+            g = _round(acc_g, T)
+            u = _round(acc_u, T)
+    else:
+        g = _round(acc_g, T)
+        u = _round(acc_u, T)
+        h = _round(_gelu(g.to(tl.float32), TANH, K_BETA_TANH, K_KAPPA, K_ALPHA), T).to(tl.float32)
+        y = _round(h * u.to(tl.float32), T)
+    out_ptr.store([off_m, off_n], y)
+    if SAVE:
+        g_ptr.store([off_m, off_n], g)
+        u_ptr.store([off_m, off_n], u)
+
+
+@triton.jit
+def _packed_gate_up_geglu_kernel(x_ptr, w_ptr, out_ptr, g_ptr, u_ptr, M, N, K,
+                                 TANH: tl.constexpr, SAVE: tl.constexpr, DOT_F32: tl.constexpr,
+                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                 GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
+                                 WARP_SPECIALIZE: tl.constexpr, FAST_EPI: tl.constexpr,
+                                 K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr):
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    if PERSISTENT:
+        for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=FLATTEN,
+                                warp_specialize=WARP_SPECIALIZE):
+            pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+            _packed_tile(x_ptr, w_ptr, out_ptr, g_ptr, u_ptr, M, N, K, pid_m, pid_n, TANH, SAVE, DOT_F32,
+                         BLOCK_M, BLOCK_N, BLOCK_K, FAST_EPI, K_BETA_TANH, K_KAPPA, K_ALPHA)
+    else:
+        pid_m, pid_n = _tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+        _packed_tile(x_ptr, w_ptr, out_ptr, g_ptr, u_ptr, M, N, K, pid_m, pid_n, TANH, SAVE, DOT_F32,
+                     BLOCK_M, BLOCK_N, BLOCK_K, FAST_EPI, K_BETA_TANH, K_KAPPA, K_ALPHA)
+
+
 # --- backward: dGeGLU in the epilogue of dY @ Wd ------------------------------------------------------------------
 
 
@@ -503,6 +569,57 @@ def _launch(args, M, N, K, x, w_gate, w_up, out, g_view, u_view, tanh, save, use
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
             **_maxnreg(cfg),
         )
+
+
+def pack_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
+    """The row-interleaved [2H, D] weight of the packed kernel: row 2j = w_gate[j], row 2j + 1 = w_up[j]. Its
+    views ``packed[0::2]`` and ``packed[1::2]`` are w_gate and w_up (row stride 2D)."""
+    return torch.stack((w_gate, w_up), dim=1).reshape(2 * w_gate.shape[0], w_gate.shape[1])
+
+
+# Packed-kernel tiles: BLOCK_N counts h columns, so the dot is BLOCK_M x (2 * BLOCK_N).
+PACKED_LARGE = Config(128, 128, 64, 16, 8, 3, persistent=True, fast_epi=True)
+PACKED_SWEEP = [
+    PACKED_LARGE,
+    Config(128, 128, 64, 8, 8, 3, persistent=True, fast_epi=True),
+    Config(128, 128, 64, 16, 8, 4, persistent=True, fast_epi=True),
+    Config(128, 128, 64, 16, 8, 3, persistent=True, warp_specialize=True, fast_epi=True),
+    Config(128, 128, 64, 16, 8, 3, persistent=True, flatten=True, fast_epi=True),
+    Config(128, 128, 64, 16, 8, 3, fast_epi=True),
+    Config(128, 64, 64, 16, 8, 4, persistent=True, fast_epi=True),
+    Config(256, 64, 64, 16, 8, 3, persistent=True, fast_epi=True),
+]
+
+
+def packed_gate_up_geglu(x: torch.Tensor, w_packed: torch.Tensor, tanh: bool, save: bool,
+                         config: Optional[Config] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """h = geglu(x @ w_gate^T, x @ w_up^T) from the row-interleaved weight (`pack_gate_up`), x [M, D] contiguous;
+    TMA only (sm_90+, or the interpreter). With ``save`` also gu = [g | u] [M, 2H]."""
+    M, K = x.shape
+    N = w_packed.shape[0] // 2
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    gu = torch.empty((M, 2 * N), dtype=x.dtype, device=x.device) if save else None
+    if M == 0 or N == 0:
+        return out, gu
+    cfg = config or (INTERPRETER if INTERPRET else PACKED_LARGE)
+    g_view, u_view = (gu[:, :N], gu[:, N:]) if save else (out, out)
+    if not (tma_supported(x.device) and all(_aligned(t) for t in (x, w_packed, out, g_view, u_view))):
+        raise ValueError("packed_gate_up_geglu needs TMA (sm_90+) and 16-byte aligned rows.")
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    args = [TensorDescriptor(t, list(t.shape), list(t.stride()), blk) for t, blk in
+            ((x, [bm, bk]), (w_packed, [2 * bn, bk]), (out, [bm, bn]), (g_view, [bm, bn]), (u_view, [bm, bn]))]
+    global last_compiled
+    num_tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    grid = (min(num_tiles, cfg.programs_per_sm * _sm_count(x.device)) if cfg.persistent else num_tiles,)
+    with torch.cuda.device(x.device) if x.device.type == "cuda" else _nullcontext():
+        last_compiled = _packed_gate_up_geglu_kernel[grid](
+            *args, M, N, K, TANH=tanh, SAVE=save, DOT_F32=INTERPRET,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
+            PERSISTENT=cfg.persistent, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
+            FAST_EPI=cfg.fast_epi, K_BETA_TANH=K_BETA_TANH, K_KAPPA=K_KAPPA, K_ALPHA=K_ALPHA,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, **_maxnreg(cfg),
+        )
+    return out, gu
 
 
 def down_dgeglu(dy: torch.Tensor, w_down: torch.Tensor, gu: torch.Tensor, tanh: bool, write_h: bool,
