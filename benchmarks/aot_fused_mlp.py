@@ -122,13 +122,15 @@ def main(argv=None) -> int:
 
     wp = torch.empty(2 * H, D, dtype=bf)
 
-    def compile_packed(cfg, save):
+    def compile_packed(cfg, save, pair=0):
         g_view, u_view = (gu[:, :H], gu[:, H:]) if save else (h, h)
         bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
         kargs = [desc(t, b) for t, b in ((x, [bm, bk]), (wp, [2 * bn, bk]), (h, [bm, bn]), (g_view, [bm, bn]),
                                          (u_view, [bm, bn]))]
+        if pair:  # the two weights in place, through one strided 3-D descriptor
+            kargs[1] = TensorDescriptor(wg, [2, H, D], [H * D, D, 1], [2, bn, bk])
         return kt._packed_gate_up_geglu_kernel.warmup(
-            *kargs, M, H, D, TANH=args.approximate == "tanh", SAVE=save, DOT_F32=False,
+            *kargs, M, H, D, TANH=args.approximate == "tanh", SAVE=save, DOT_F32=False, PAIR=pair,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
             PERSISTENT=cfg.persistent, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
             FAST_EPI=cfg.fast_epi, K_BETA_TANH=kt.K_BETA_TANH, K_KAPPA=kt.K_KAPPA, K_ALPHA=kt.K_ALPHA,
@@ -141,6 +143,8 @@ def main(argv=None) -> int:
             for cfg in dict.fromkeys(kt.PACKED_SWEEP):
                 jobs.append((f"{'packed train' if save else 'packed infer'} {cfg.label()}", cfg, compile_packed,
                              save))
+                jobs.append((f"{'paired train' if save else 'paired infer'} {cfg.label()}", cfg,
+                             lambda c, f: compile_packed(c, f, pair=1), save))
     if args.kernel in ("fwd", "all"):
         for save in ((False, True) if args.save else (False,)):
             for cfg in dict.fromkeys([kt.LARGE, kt.MEDIUM] + list(kt.SWEEP)):

@@ -1,6 +1,7 @@
-"""Does a gate/up GEMM over a row-interleaved packed weight [2H, D] (one N = 2 * BLOCK_N dot per K step: the
-widest wgmma, the x tile read from shared memory once instead of twice) beat the two-accumulator fused kernel and
-cuBLAS? Issue 7's forward <= 4100 us at 8192x4096x14336 needs the gate/up GEMM a few % faster than cuBLAS.
+"""Does a gate/up GEMM with one N = 2 * BLOCK_N dot per K step (the widest wgmma; the x tile read from shared memory
+once instead of twice) beat the two-accumulator fused kernel and cuBLAS? Over the two weights in place ("paired":
+one strided 3-D TMA box) and over a row-interleaved packed copy [2H, D]. Issue 7's forward <= 4100 us at
+8192x4096x14336 needs the gate/up GEMM a few % faster than cuBLAS.
 Dev tool (device); bf16, tanh; every time is a do_bench median (L2 flushed), interleaved over rounds, medians of
 rounds. Prints the error of each path against an fp32 reference next to eager's.
 
@@ -60,19 +61,25 @@ def main():
                                                2 * unit),
         }
         for cfg in kt.PACKED_SWEEP:
-            cands[f"packed {cfg.label()}"] = (
-                lambda cfg=cfg: kt.packed_gate_up_geglu(x, wp, True, False, config=cfg), 2 * unit)
+            cands[f"paired {cfg.label()}"] = (
+                lambda cfg=cfg: kt.paired_gate_up_geglu(x, wg, wu, True, False, config=cfg), 2 * unit)
+        cands[f"packed copy {kt.PAIRED_LARGE.label()}"] = (
+            lambda: kt.packed_gate_up_geglu(x, wp, True, False), 2 * unit)
         cands["train: dual-acc fused, save g,u,h"] = (lambda: kt.gate_up_geglu(x, wg, wu, True, True, config=fast),
                                                       2 * unit)
-        cands["train: packed, save g,u,h"] = (lambda: kt.packed_gate_up_geglu(x, wp, True, True), 2 * unit)
+        cands["train: dual-acc fused, save, eager epilogue (LARGE)"] = (
+            lambda: kt.gate_up_geglu(x, wg, wu, True, True, config=kt.LARGE), 2 * unit)
+        cands["train: paired, save g,u,h"] = (lambda: kt.paired_gate_up_geglu(x, wg, wu, True, True), 2 * unit)
+        cands["train: paired, save, eager epilogue"] = (
+            lambda: kt.paired_gate_up_geglu(x, wg, wu, True, True, config=kt.PACKED_SWEEP[-1]), 2 * unit)
         cands["down: mm(h, Wd.t())"] = (lambda: torch.mm(h_buf, wd.t()), unit)
         cands["MLP fwd: eager"] = (lambda: F.linear(F.gelu(F.linear(x, wg), approximate="tanh") * F.linear(x, wu),
                                                     wd), 3 * unit)
         cands["MLP fwd: regular (cuBLAS + our GeGLU)"] = (lambda: torch.mm(regular(), wd.t()), 3 * unit)
         cands["MLP fwd: dual-acc fused + down"] = (
             lambda: torch.mm(kt.gate_up_geglu(x, wg, wu, True, False, config=fast)[0], wd.t()), 3 * unit)
-        cands["MLP fwd: packed + down"] = (lambda: torch.mm(kt.packed_gate_up_geglu(x, wp, True, False)[0], wd.t()),
-                                           3 * unit)
+        cands["MLP fwd: paired + down"] = (
+            lambda: torch.mm(kt.paired_gate_up_geglu(x, wg, wu, True, False)[0], wd.t()), 3 * unit)
 
         # Correctness first: every GeGLU output against an fp64 reference of the same bf16 inputs, next to eager's.
         ref = F.gelu((x.double() @ wg.double().t()), approximate="tanh") * (x.double() @ wu.double().t())
@@ -83,16 +90,19 @@ def main():
 
         print(f"\n{M}x{D}x{H}: relative error of h against fp64: eager {err(eager_h):.3e}", flush=True)
         dual = kt.gate_up_geglu(x, wg, wu, True, False, config=fast)[0]
+        print(f"  pair layout (base is gate: 1, up: 2): {kt.pair_layout(wg, wu)[2]}")
         for cfg in kt.PACKED_SWEEP:
-            hp = kt.packed_gate_up_geglu(x, wp, True, False, config=cfg)[0]
-            print(f"  packed {cfg.label():<46} {err(hp):.3e}  max |packed - dual| "
+            hp = kt.paired_gate_up_geglu(x, wg, wu, True, False, config=cfg)[0]
+            print(f"  paired {cfg.label():<46} {err(hp):.3e}  max |paired - dual| "
                   f"{(hp.float() - dual.float()).abs().max().item():.3e}  regs {kt.last_compiled.n_regs} "
                   f"spills {kt.last_compiled.n_spills}", flush=True)
-        hp, gu = kt.packed_gate_up_geglu(x, wp, True, True)
-        hd, gud = kt.gate_up_geglu(x, wg, wu, True, True, config=fast)
-        print(f"  train outputs: packed vs dual-acc: g,u equal {torch.equal(gu, gud)}, h equal {torch.equal(hp, hd)}"
+        hp, gu = kt.paired_gate_up_geglu(x, wg, wu, True, True, config=kt.PACKED_SWEEP[-1])
+        hd, gud = kt.gate_up_geglu(x, wg, wu, True, True, config=kt.LARGE)
+        hs = kt.packed_gate_up_geglu(x, wp, True, True, config=kt.PACKED_SWEEP[-1])[0]
+        print(f"  train outputs (eager epilogue): paired vs dual-acc: g,u equal {torch.equal(gu, gud)}, h equal "
+              f"{torch.equal(hp, hd)}; packed copy h equal {torch.equal(hs, hd)}"
               f"; g vs cuBLAS max diff {(gu[:, :H].float() - F.linear(x, wg).float()).abs().max().item():.3e}")
-        del ref, eager_h, dual, hp, gu, hd, gud
+        del ref, eager_h, dual, hp, gu, hd, gud, hs
 
         times = {k: [] for k in cands}
         for r in range(args.rounds):

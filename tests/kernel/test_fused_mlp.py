@@ -122,6 +122,85 @@ def test_epilogue_is_pointwise_geglu_of_its_preactivations(geglu, fused, kt, dty
         assert ((g.float() - ref_g).abs() <= ulp * 1.01).all()
 
 
+# --- one wide dot over both weights: paired (in place) and packed (row-interleaved copy) ------------------------
+
+
+def _pair_cfg(kt, **kw):
+    base = kt.INTERPRETER if not HAS_CUDA else kt.Config(128, 128, 64, 16, 8, 3, persistent=True)
+    return base._replace(**kw)
+
+
+def _weight_pairs(H, D, dtype, seed=7):
+    """(w_gate, w_up) in each memory order the paired kernel meets: views of one buffer with the gate first and with
+    the up weight first (deterministic address order), and two separate allocations."""
+    gen = torch.Generator().manual_seed(seed)
+    buf = (torch.randn(2, H, D, generator=gen) * D ** -0.5).to(dtype).to(DEVICE)
+    sep = (buf[0].clone(), buf[1].clone())
+    return {"gate first": (buf[0], buf[1]), "up first": (buf[1], buf[0]), "separate": sep}
+
+
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+def test_paired_and_packed_equal_the_two_accumulator_kernel(fused, kt, dtype, approximate):
+    """The paired kernel (one [2, BLOCK_N, BLOCK_K] TMA box over both weights in place, one dot of N = 2 * BLOCK_N)
+    and the packed one (row-interleaved copy) compute what the two-accumulator kernel does: same products, same
+    epilogue, and on the GPU the same fp32 accumulation order per output (wgmma's does not depend on N), so bit for
+    bit: h and the saved [g | u], both epilogues, whichever weight lies first in memory; ragged M, D, H (partial
+    tiles). Under the interpreter the dots are numpy matmuls, whose summation order can change with the width:
+    there the pre-activations may differ by one rounding and h by what that propagates to."""
+    M, D, H = (40, 48, 40) if not HAS_CUDA else (300, 200, 328)
+    x = _data(M, D, H, dtype, down=False)[0]
+    tanh = approximate == "tanh"
+    for where, (wg, wu) in _weight_pairs(H, D, dtype).items():
+        layout = kt.pair_layout(wg, wu)
+        assert layout is not None and layout[2] == {"gate first": 1, "up first": 2}.get(where, layout[2])
+        for fast in (False, True):
+            ref_h, ref_gu = kt.gate_up_geglu(x, wg, wu, tanh, True, _pair_cfg(kt, fast_epi=fast))
+            h, gu = kt.paired_gate_up_geglu(x, wg, wu, tanh, True, _pair_cfg(kt, fast_epi=fast))
+            _same(h, ref_h, gu, ref_gu, f"paired, {where}, fast_epi={fast}")
+            h2, _ = kt.gate_up_geglu(x, wg, wu, tanh, False, _pair_cfg(kt, fast_epi=fast, pair=True))
+            _same(h2, ref_h, gu, ref_gu, f"gate_up_geglu with pair=True, {where}, fast_epi={fast}")
+            wp = kt.pack_gate_up(wg, wu)
+            assert torch.equal(wp[0::2], wg) and torch.equal(wp[1::2], wu)
+            h3, gu3 = kt.packed_gate_up_geglu(x, wp, tanh, True, _pair_cfg(kt, fast_epi=fast))
+            _same(h3, ref_h, gu3, ref_gu, f"packed, fast_epi={fast}")
+
+
+def _same(h, ref_h, gu, ref_gu, what):
+    if HAS_CUDA:
+        assert torch.equal(h, ref_h) and torch.equal(gu, ref_gu), what
+        return
+    eps, tiny = torch.finfo(h.dtype).eps, torch.finfo(h.dtype).tiny  # tiny: subnormals' fixed ulp is below it
+    assert ((gu.float() - ref_gu.float()).abs() <= eps * ref_gu.float().abs() + tiny).all(), what
+    assert ((h.float() - ref_h.float()).abs() <= 4 * eps * ref_h.float().abs() + tiny).all(), what
+    assert (h == ref_h).float().mean() > 0.95, what
+
+
+def test_pair_layout_refuses_what_one_descriptor_cannot_see(kt):
+    """pair_layout names the weights' base and the outer stride, or None: same tensor, different row strides,
+    dtypes or shapes, and a base off the 16-byte grid. Refused pairs still compute right through
+    gate_up_geglu(pair=True), which falls back to the two-accumulator kernel."""
+    dtype = torch.bfloat16
+    wg, wu = _weight_pairs(32, 48, dtype)["gate first"]
+    base, outer, pair = kt.pair_layout(wg, wu)
+    assert base.data_ptr() == wg.data_ptr() and outer == 32 * 48 and pair == 1
+    wide = torch.zeros(32, 64, dtype=dtype, device=DEVICE)[:, :48]
+    wide.copy_(wu)
+    odd = torch.zeros(32 * 48 + 1, dtype=dtype, device=DEVICE)[1:].view(32, 48)
+    odd.copy_(wu)
+    assert kt.pair_layout(wg, wg) is None
+    assert kt.pair_layout(wg, wide) is None  # row stride 64 vs 48
+    assert kt.pair_layout(wg, wu.half()) is None
+    assert kt.pair_layout(wg[:16], wu[:16].clone()[:, :40].contiguous()) is None
+    assert kt.pair_layout(wg, odd) is None  # 2-byte offset: not 16-byte aligned
+    x = _data(40, 48, 32, dtype, down=False)[0]
+    ref, _ = kt.gate_up_geglu(x, wg, wide, True, False, _pair_cfg(kt))
+    got, _ = kt.gate_up_geglu(x, wg, wide, True, False, _pair_cfg(kt, pair=True))
+    assert torch.equal(got, ref)
+    with pytest.raises(ValueError, match="pair_layout|same-layout"):
+        kt.paired_gate_up_geglu(x, wg, wide, True, False, _pair_cfg(kt))
+
+
 def _exact_grad_data(M, D, H, dtype, seed=3):
     """dY with small integers and W_down with multiples of 1/8: dY @ W_down is exact in fp32 whatever the
     accumulation order, and representable in bf16/fp16, so the fused kernel's d_h equals the reference's bit for bit."""
@@ -350,10 +429,12 @@ def test_fast_epilogue_is_more_accurate_than_eager(fused, kt, dtype, approximate
     against an fp64 reference is no larger than eager's (which rounds g, u and gelu(g) to the storage dtype)."""
     x, wg, wu, _ = _data(96, 64, 80, dtype, down=False, seed=5)
     base = kt.INTERPRETER if kt.INTERPRET else kt.FAST_LARGE
-    h, _ = kt.gate_up_geglu(x, wg, wu, approximate == "tanh", False, base._replace(fast_epi=True))
     ref = _fp64_h(x, wg, wu, approximate)
-    ours, eager = _err(h, ref), _err(_eager(x, wg, wu, None, approximate), ref)
-    assert ours <= eager, f"fast epilogue error {ours:.3g} > eager's {eager:.3g}"
+    eager = _err(_eager(x, wg, wu, None, approximate), ref)
+    for pair in (False, True):  # the two-accumulator kernel and the paired one (the inference path's, M > 256)
+        h, _ = kt.gate_up_geglu(x, wg, wu, approximate == "tanh", False, base._replace(fast_epi=True, pair=pair))
+        ours = _err(h, ref)
+        assert ours <= eager, f"fast epilogue (pair={pair}) error {ours:.3g} > eager's {eager:.3g}"
 
 
 def _mlp_layer(geglu, D, H, dtype, approximate, seed=6):

@@ -316,7 +316,7 @@ _MARGIN = 0.98  # fused must be at least 2 % faster: below that, the bit-exact p
 
 def _inference_config(M: int):
     kt = _kernels()
-    base = kt.INTERPRETER if kt.INTERPRET else (kt.MEDIUM if M <= 256 else kt.FAST_LARGE)
+    base = kt.INTERPRETER if kt.INTERPRET else (kt.MEDIUM if M <= 256 else kt.PAIRED_LARGE)
     return base._replace(fast_epi=True)
 
 

@@ -163,12 +163,18 @@ def _gate_up_geglu_kernel(x_ptr, wg_ptr, wu_ptr, out_ptr, g_ptr, u_ptr, M, N, K,
                       K_BETA_TANH, K_KAPPA, K_ALPHA)
 
 
+@triton.jit
+def _halves(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Columns [0, BLOCK_N/2) and [BLOCK_N/2, BLOCK_N) of acc."""
+    return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+
+
 # --- packed weight: one N = 2 * BLOCK_N dot per K step --------------------------------------------------------
 
 
 @triton.jit
 def _packed_tile(x_ptr, w_ptr, out_ptr, g_ptr, u_ptr, M, N, K, pid_m, pid_n,
-                 TANH: tl.constexpr, SAVE: tl.constexpr, DOT_F32: tl.constexpr,
+                 TANH: tl.constexpr, SAVE: tl.constexpr, DOT_F32: tl.constexpr, PAIR: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FAST_EPI: tl.constexpr,
                  K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] tile of h from the row-interleaved weight w [2N, K] (row 2j = gate row j, row 2j+1 =
@@ -181,12 +187,20 @@ def _packed_tile(x_ptr, w_ptr, out_ptr, g_ptr, u_ptr, M, N, K, pid_m, pid_n,
     acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         a = x_ptr.load([off_m, k * BLOCK_K])
-        b = w_ptr.load([2 * off_n, k * BLOCK_K])
+        if PAIR == 0:
+            b = w_ptr.load([2 * off_n, k * BLOCK_K])
+        else:  # a [2, BLOCK_N, BLOCK_K] box over the two weights seen as one strided 3-D tensor
+            b = tl.reshape(w_ptr.load([0, off_n, k * BLOCK_K]), (2 * BLOCK_N, BLOCK_K))
         if DOT_F32:
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32).T, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b.T, acc)
-    acc_g, acc_u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+    if PAIR == 0:
+        acc_g, acc_u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+    elif PAIR == 1:
+        acc_g, acc_u = _halves(acc, BLOCK_M, 2 * BLOCK_N)
+    else:
+        acc_u, acc_g = _halves(acc, BLOCK_M, 2 * BLOCK_N)
     if FAST_EPI:
         if TANH:
             z = (2.0 * K_BETA_TANH * 1.4426950408889634) * acc_g * tl.fma(acc_g * acc_g, K_KAPPA, 1.0)
@@ -211,7 +225,7 @@ def _packed_tile(x_ptr, w_ptr, out_ptr, g_ptr, u_ptr, M, N, K, pid_m, pid_n,
 @triton.jit
 def _packed_gate_up_geglu_kernel(x_ptr, w_ptr, out_ptr, g_ptr, u_ptr, M, N, K,
                                  TANH: tl.constexpr, SAVE: tl.constexpr, DOT_F32: tl.constexpr,
-                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                 PAIR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                  GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
                                  WARP_SPECIALIZE: tl.constexpr, FAST_EPI: tl.constexpr,
                                  K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr):
@@ -221,11 +235,11 @@ def _packed_gate_up_geglu_kernel(x_ptr, w_ptr, out_ptr, g_ptr, u_ptr, M, N, K,
         for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=FLATTEN,
                                 warp_specialize=WARP_SPECIALIZE):
             pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-            _packed_tile(x_ptr, w_ptr, out_ptr, g_ptr, u_ptr, M, N, K, pid_m, pid_n, TANH, SAVE, DOT_F32,
+            _packed_tile(x_ptr, w_ptr, out_ptr, g_ptr, u_ptr, M, N, K, pid_m, pid_n, TANH, SAVE, DOT_F32, PAIR,
                          BLOCK_M, BLOCK_N, BLOCK_K, FAST_EPI, K_BETA_TANH, K_KAPPA, K_ALPHA)
     else:
         pid_m, pid_n = _tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
-        _packed_tile(x_ptr, w_ptr, out_ptr, g_ptr, u_ptr, M, N, K, pid_m, pid_n, TANH, SAVE, DOT_F32,
+        _packed_tile(x_ptr, w_ptr, out_ptr, g_ptr, u_ptr, M, N, K, pid_m, pid_n, TANH, SAVE, DOT_F32, PAIR,
                      BLOCK_M, BLOCK_N, BLOCK_K, FAST_EPI, K_BETA_TANH, K_KAPPA, K_ALPHA)
 
 
@@ -268,12 +282,6 @@ def _dgeglu_part(dh_acc, off_m, off_n, g_ptr, u_ptr, h_ptr, M, N, stride_g, stri
         tl.store(u_ptr + r64 * stride_u + cols[None, :], d_up, mask=mask)
         if WRITE_H:
             tl.store(h_ptr + r64 * stride_h + cols[None, :], _round(h * uf, T), mask=mask)
-
-
-@triton.jit
-def _halves(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Columns [0, BLOCK_N/2) and [BLOCK_N/2, BLOCK_N) of acc."""
-    return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
 
 
 @triton.jit
@@ -382,6 +390,8 @@ class Config(NamedTuple):
     epi_split: int = 1  # backward kernel: epilogue in 1, 2 or 4 column slices (register pressure)
     maxnreg: Optional[int] = None  # register cap (e.g. 128 at 8 warps: two programs per SM)
     fast_epi: bool = False  # GeGLU of the fp32 accumulators with hardware approximations, rounded once
+    pair: bool = False  # forward: one [2 * BLOCK_N, BLOCK_K] weight operand holding both weights' tiles, one dot
+    #                     of N = 2 * BLOCK_N per K step (`paired_gate_up_geglu`), where the weights allow it
 
     def label(self) -> str:
         s = f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages} g{self.group_m}"
@@ -398,6 +408,8 @@ class Config(NamedTuple):
             s += " ptr"
         if self.fast_epi:
             s += " fast-epi"
+        if self.pair:
+            s += " pair"
         return s
 
 
@@ -534,6 +546,8 @@ def gate_up_geglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, tan
     g_view, u_view = (gu[:, :N], gu[:, N:]) if save else (out, out)
     tensors = (x, w_gate, w_up, out, g_view, u_view)
     use_tma = cfg.tma and tma_supported(x.device) and all(_aligned(t) for t in tensors)
+    if use_tma and cfg.pair and pair_layout(w_gate, w_up) is not None:
+        return paired_gate_up_geglu(x, w_gate, w_up, tanh, save, cfg, out=out, gu=gu)
     if use_tma:
         bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
         args = [TensorDescriptor(t, list(t.shape), list(t.stride()), blk) for t, blk in
@@ -577,17 +591,17 @@ def pack_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
     return torch.stack((w_gate, w_up), dim=1).reshape(2 * w_gate.shape[0], w_gate.shape[1])
 
 
-# Packed-kernel tiles: BLOCK_N counts h columns, so the dot is BLOCK_M x (2 * BLOCK_N).
-PACKED_LARGE = Config(128, 128, 64, 16, 8, 3, persistent=True, fast_epi=True)
+# Packed/paired-kernel tiles: BLOCK_N counts h columns, so the dot is BLOCK_M x (2 * BLOCK_N). PAIRED_LARGE is what
+# the fused inference path runs above 256 rows (benchmarks/packed_probe.py, H200: 99.5-100.1 % of cuBLAS's two GEMMs
+# at 8192x4096x14336 where the two-accumulator kernel made 96.8 %; docs/fused-mlp.md).
+PAIRED_LARGE = Config(128, 128, 64, 16, 8, 3, persistent=True, fast_epi=True, pair=True)
 PACKED_SWEEP = [
-    PACKED_LARGE,
-    Config(128, 128, 64, 8, 8, 3, persistent=True, fast_epi=True),
-    Config(128, 128, 64, 16, 8, 4, persistent=True, fast_epi=True),
-    Config(128, 128, 64, 16, 8, 3, persistent=True, warp_specialize=True, fast_epi=True),
-    Config(128, 128, 64, 16, 8, 3, persistent=True, flatten=True, fast_epi=True),
-    Config(128, 128, 64, 16, 8, 3, fast_epi=True),
-    Config(128, 64, 64, 16, 8, 4, persistent=True, fast_epi=True),
-    Config(256, 64, 64, 16, 8, 3, persistent=True, fast_epi=True),
+    PAIRED_LARGE,
+    Config(128, 128, 64, 8, 8, 3, persistent=True, fast_epi=True, pair=True),
+    Config(128, 128, 64, 16, 8, 4, persistent=True, fast_epi=True, pair=True),
+    Config(128, 128, 64, 16, 8, 3, persistent=True, warp_specialize=True, fast_epi=True, pair=True),
+    Config(128, 128, 64, 16, 8, 3, persistent=True, flatten=True, fast_epi=True, pair=True),
+    Config(128, 128, 64, 16, 8, 3, persistent=True, pair=True),  # eager's epilogue (training's bits)
 ]
 
 
@@ -595,25 +609,74 @@ def packed_gate_up_geglu(x: torch.Tensor, w_packed: torch.Tensor, tanh: bool, sa
                          config: Optional[Config] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """h = geglu(x @ w_gate^T, x @ w_up^T) from the row-interleaved weight (`pack_gate_up`), x [M, D] contiguous;
     TMA only (sm_90+, or the interpreter). With ``save`` also gu = [g | u] [M, 2H]."""
-    M, K = x.shape
     N = w_packed.shape[0] // 2
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    gu = torch.empty((M, 2 * N), dtype=x.dtype, device=x.device) if save else None
+    cfg = config or (INTERPRETER if INTERPRET else PAIRED_LARGE)
+    if not (tma_supported(x.device) and _aligned(w_packed)):
+        raise ValueError("packed_gate_up_geglu needs TMA (sm_90+) and 16-byte aligned rows.")
+    desc = TensorDescriptor(w_packed, list(w_packed.shape), list(w_packed.stride()), [2 * cfg.block_n, cfg.block_k])
+    return _launch_packed(x, desc, N, 0, tanh, save, cfg)
+
+
+_TMA_MAX_STRIDE = 1 << 40  # bytes: cuTensorMapEncodeTiled's limit on a global stride
+
+
+def pair_layout(w_gate: torch.Tensor, w_up: torch.Tensor) -> Optional[Tuple[torch.Tensor, int, int]]:
+    """The two weights as one strided 3-D tensor [2, H, D] for a TMA descriptor, without a copy: (base, outer
+    stride in elements, PAIR) with PAIR 1 when the gate is at the lower address, 2 when the up weight is; None when
+    they cannot be (different shapes, strides or dtypes, unaligned, or further apart than TMA can stride)."""
+    if (w_gate.shape != w_up.shape or w_gate.stride() != w_up.stride() or w_gate.dtype != w_up.dtype
+            or w_gate.device != w_up.device or not (_aligned(w_gate) and _aligned(w_up))):
+        return None
+    delta = w_up.data_ptr() - w_gate.data_ptr()
+    base, pair = (w_gate, 1) if delta > 0 else (w_up, 2)
+    delta = abs(delta)
+    es = w_gate.element_size()
+    if delta == 0 or delta % 16 or delta >= _TMA_MAX_STRIDE:
+        return None
+    return base, delta // es, pair
+
+
+def paired_gate_up_geglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, tanh: bool, save: bool,
+                         config: Optional[Config] = None, out: Optional[torch.Tensor] = None,
+                         gu: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The packed kernel on the two weights in place: one TMA box [2, BLOCK_N, BLOCK_K] loads both weights' tiles
+    into one [2 * BLOCK_N, BLOCK_K] operand (gate rows, then up rows), through a descriptor that sees the two
+    weights as one strided 3-D tensor (`pair_layout`); no packed copy. Raises ValueError when `pair_layout` says
+    no (callers check it first)."""
+    layout = pair_layout(w_gate, w_up) if tma_supported(x.device) else None
+    if layout is None:
+        raise ValueError("paired_gate_up_geglu needs TMA (sm_90+) and two same-layout, 16-byte aligned weights "
+                         "less than 2^40 bytes apart; use gate_up_geglu instead.")
+    base, outer, pair = layout
+    H, D = w_gate.shape
+    cfg = config or (INTERPRETER if INTERPRET else PAIRED_LARGE)
+    desc = TensorDescriptor(base, [2, H, D], [outer, w_gate.stride(0), 1], [2, cfg.block_n, cfg.block_k])
+    return _launch_packed(x, desc, H, pair, tanh, save, cfg, out, gu)
+
+
+def _launch_packed(x, w_desc, N, pair, tanh, save, cfg, out=None, gu=None):
+    M, K = x.shape
+    if out is None:
+        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if gu is None and save:
+        gu = torch.empty((M, 2 * N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out, gu
-    cfg = config or (INTERPRETER if INTERPRET else PACKED_LARGE)
+    if K == 0:
+        raise ValueError("geglu_mlp_fused: D = 0 is not supported by the fused kernel.")
     g_view, u_view = (gu[:, :N], gu[:, N:]) if save else (out, out)
-    if not (tma_supported(x.device) and all(_aligned(t) for t in (x, w_packed, out, g_view, u_view))):
-        raise ValueError("packed_gate_up_geglu needs TMA (sm_90+) and 16-byte aligned rows.")
+    if not all(_aligned(t) for t in (x, out, g_view, u_view)):
+        raise ValueError("the packed gate/up kernel needs 16-byte aligned rows of x (and of the outputs).")
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     args = [TensorDescriptor(t, list(t.shape), list(t.stride()), blk) for t, blk in
-            ((x, [bm, bk]), (w_packed, [2 * bn, bk]), (out, [bm, bn]), (g_view, [bm, bn]), (u_view, [bm, bn]))]
+            ((x, [bm, bk]), (out, [bm, bn]), (g_view, [bm, bn]), (u_view, [bm, bn]))]
+    args.insert(1, w_desc)
     global last_compiled
     num_tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     grid = (min(num_tiles, cfg.programs_per_sm * _sm_count(x.device)) if cfg.persistent else num_tiles,)
     with torch.cuda.device(x.device) if x.device.type == "cuda" else _nullcontext():
         last_compiled = _packed_gate_up_geglu_kernel[grid](
-            *args, M, N, K, TANH=tanh, SAVE=save, DOT_F32=INTERPRET,
+            *args, M, N, K, TANH=tanh, SAVE=save, DOT_F32=INTERPRET, PAIR=pair,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
             PERSISTENT=cfg.persistent, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
             FAST_EPI=cfg.fast_epi, K_BETA_TANH=K_BETA_TANH, K_KAPPA=K_KAPPA, K_ALPHA=K_ALPHA,
