@@ -67,8 +67,8 @@ def main():
             lambda: kt.packed_gate_up_geglu(x, wp, True, False), 2 * unit)
         cands["train: dual-acc fused, save g,u,h"] = (lambda: kt.gate_up_geglu(x, wg, wu, True, True, config=fast),
                                                       2 * unit)
-        cands["train: dual-acc fused, save, eager epilogue (LARGE)"] = (
-            lambda: kt.gate_up_geglu(x, wg, wu, True, True, config=kt.LARGE), 2 * unit)
+        cands["train: dual-acc fused, save, eager epilogue"] = (
+            lambda: kt.gate_up_geglu(x, wg, wu, True, True, config=kt.LARGE._replace(pair=False)), 2 * unit)
         cands["train: paired, save g,u,h"] = (lambda: kt.paired_gate_up_geglu(x, wg, wu, True, True), 2 * unit)
         cands["train: paired, save, eager epilogue"] = (
             lambda: kt.paired_gate_up_geglu(x, wg, wu, True, True, config=kt.PACKED_SWEEP[-1]), 2 * unit)
@@ -97,7 +97,7 @@ def main():
                   f"{(hp.float() - dual.float()).abs().max().item():.3e}  regs {kt.last_compiled.n_regs} "
                   f"spills {kt.last_compiled.n_spills}", flush=True)
         hp, gu = kt.paired_gate_up_geglu(x, wg, wu, True, True, config=kt.PACKED_SWEEP[-1])
-        hd, gud = kt.gate_up_geglu(x, wg, wu, True, True, config=kt.LARGE)
+        hd, gud = kt.gate_up_geglu(x, wg, wu, True, True, config=kt.LARGE._replace(pair=False))
         hs = kt.packed_gate_up_geglu(x, wp, True, True, config=kt.PACKED_SWEEP[-1])[0]
         print(f"  train outputs (eager epilogue): paired vs dual-acc: g,u equal {torch.equal(gu, gud)}, h equal "
               f"{torch.equal(hp, hd)}; packed copy h equal {torch.equal(hs, hd)}"

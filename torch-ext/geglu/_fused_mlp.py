@@ -311,7 +311,8 @@ def _enabled(setting: Optional[str]) -> bool:
 ENABLED = _enabled(os.environ.get("GEGLU_FUSED_MLP"))
 _DECISIONS: dict = {}  # (M bucket, D, H, dtype, device) -> bool (fused is faster)
 DECISION_TIMES: dict = {}  # the same keys -> {"fused_ms", "regular_ms"}: the medians each decision compared
-_MARGIN = 0.98  # fused must be at least 2 % faster: below that, the bit-exact path wins
+_MARGIN = 0.99  # fused must be at least 1 % faster: below that, the bit-exact path wins (2 % until the paired
+#                 kernel: at 8192x4096x14336 the rule then timed fused 1.7 % faster, do_bench 4.6 %)
 
 
 def _inference_config(M: int):
