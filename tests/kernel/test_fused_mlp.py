@@ -178,7 +178,7 @@ def _same(h, ref_h, gu, ref_gu, what):
 
 def test_pair_layout_refuses_what_one_descriptor_cannot_see(kt):
     """pair_layout names the weights' base and the outer stride, or None: same tensor, different row strides,
-    dtypes or shapes, and a base off the 16-byte grid. Refused pairs still compute right through
+    dtypes or shapes, a base off the 16-byte grid, and weights whose rows interleave. Refused pairs still compute right through
     gate_up_geglu(pair=True), which falls back to the two-accumulator kernel."""
     dtype = torch.bfloat16
     wg, wu = _weight_pairs(32, 48, dtype)["gate first"]
@@ -193,6 +193,12 @@ def test_pair_layout_refuses_what_one_descriptor_cannot_see(kt):
     assert kt.pair_layout(wg, wu.half()) is None
     assert kt.pair_layout(wg[:16], wu[:16].clone()[:, :40].contiguous()) is None
     assert kt.pair_layout(wg, odd) is None  # 2-byte offset: not 16-byte aligned
+    rows = kt.pack_gate_up(wg, wu)  # the two weights as alternate rows of one tensor: planes interleave
+    assert kt.pair_layout(rows[0::2], rows[1::2]) is None
+    got, _ = kt.gate_up_geglu(_data(40, 48, 32, dtype, down=False)[0], rows[0::2], rows[1::2], True, False,
+                              _pair_cfg(kt, pair=True))
+    assert torch.equal(got, kt.gate_up_geglu(_data(40, 48, 32, dtype, down=False)[0], wg, wu, True, False,
+                                             _pair_cfg(kt))[0])
     x = _data(40, 48, 32, dtype, down=False)[0]
     ref, _ = kt.gate_up_geglu(x, wg, wide, True, False, _pair_cfg(kt))
     got, _ = kt.gate_up_geglu(x, wg, wide, True, False, _pair_cfg(kt, pair=True))

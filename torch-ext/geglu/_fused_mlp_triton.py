@@ -626,7 +626,8 @@ _TMA_MAX_STRIDE = 1 << 40  # bytes: cuTensorMapEncodeTiled's limit on a global s
 def pair_layout(w_gate: torch.Tensor, w_up: torch.Tensor) -> Optional[Tuple[torch.Tensor, int, int]]:
     """The two weights as one strided 3-D tensor [2, H, D] for a TMA descriptor, without a copy: (base, outer
     stride in elements, PAIR) with PAIR 1 when the gate is at the lower address, 2 when the up weight is; None when
-    they cannot be (different shapes, strides or dtypes, unaligned, or further apart than TMA can stride)."""
+    they cannot be (different shapes, strides or dtypes, unaligned, overlapping or interleaved, or further apart
+    than TMA can stride)."""
     if (w_gate.shape != w_up.shape or w_gate.stride() != w_up.stride() or w_gate.dtype != w_up.dtype
             or w_gate.device != w_up.device or not (_aligned(w_gate) and _aligned(w_up))):
         return None
@@ -634,7 +635,11 @@ def pair_layout(w_gate: torch.Tensor, w_up: torch.Tensor) -> Optional[Tuple[torc
     base, pair = (w_gate, 1) if delta > 0 else (w_up, 2)
     delta = abs(delta)
     es = w_gate.element_size()
-    if delta == 0 or delta % 16 or delta >= _TMA_MAX_STRIDE:
+    H, D = w_gate.shape
+    extent = ((H - 1) * w_gate.stride(0) + D) * es  # bytes one weight spans
+    # Planes that interleave (e.g. the two weights as alternate rows of one tensor) would make the outer stride
+    # smaller than a plane: not a layout TMA promises to take, so those pairs run the two-accumulator kernel.
+    if delta < extent or delta % 16 or delta >= _TMA_MAX_STRIDE:
         return None
     return base, delta // es, pair
 
