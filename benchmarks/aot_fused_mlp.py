@@ -147,7 +147,8 @@ def main(argv=None) -> int:
                              lambda c, f: compile_packed(c, f, pair=1), save))
     if args.kernel in ("fwd", "all"):
         for save in ((False, True) if args.save else (False,)):
-            for cfg in dict.fromkeys([kt.LARGE, kt.MEDIUM] + list(kt.SWEEP)):
+            # the two-dot kernel (a config's `pair` flag selects the paired kernel at run time: --kernel packed)
+            for cfg in dict.fromkeys(c._replace(pair=False) for c in [kt.LARGE, kt.MEDIUM] + list(kt.SWEEP)):
                 jobs.append((f"{'fwd train' if save else 'fwd infer'} {cfg.label()}", cfg, compile_fwd, save))
     if args.kernel in ("bwd", "all"):
         for cfg in dict.fromkeys([kt.BWD_LARGE, kt.BWD_MEDIUM] + list(kt.BWD_SWEEP)):

@@ -12,9 +12,13 @@ what the backward needs (the dGeGLU then writes [d_g | d_u] over it, and dX / dW
 Weights are read in place in nn.Linear's layout (Wg, Wu: [H, D], unit stride on D): no packed copy, no extra
 memory. A program computes a BLOCK_M x BLOCK_N tile of h: per K step it loads one x tile [BLOCK_M, BLOCK_K] and
 one tile of each weight [BLOCK_N, BLOCK_K] (TMA tensor descriptors on sm_90 when the strides are 16-byte aligned,
-plain pointer loads otherwise), and issues two dots that share the x tile. Tiles are visited in GROUP_M-row
-groups (L2 reuse of the weight tiles); the grid is one program per tile, or persistent (one program per SM looping
-over tiles, optionally with Triton's loop flattening / warp specialisation).
+plain pointer loads otherwise), and issues two dots that share the x tile. The paired kernel (`Config.pair`, the
+default above 256 rows where `pair_layout` accepts the weights) does the same work with one dot: a single TMA box
+[2, BLOCK_N, BLOCK_K] over the two weights, seen as one strided 3-D tensor, loads both tiles into one
+[2 * BLOCK_N, BLOCK_K] operand, so each K step is one N = 256 wgmma that reads the x tile once (still in place, no
+copy; bit-equal to the two-dot kernel). Tiles are visited in GROUP_M-row groups (L2 reuse of the weight tiles);
+the grid is one program per tile, or persistent (one program per SM looping over tiles, optionally with Triton's
+loop flattening / warp specialisation).
 
 Configs are a small fixed set chosen per (M bucket, D, H, dtype, save) (`choose_config`); nothing is autotuned at
 call time. Under the Triton interpreter (CPU tensors) the dots run on fp32 copies of the tiles (the interpreter
@@ -60,6 +64,37 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _geglu_epilogue(acc_g, acc_u, T: tl.constexpr, TANH: tl.constexpr, SAVE: tl.constexpr, FAST_EPI: tl.constexpr,
+                    K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr):
+    """(h, g, u) of a tile from its fp32 gate and up accumulators, h in the storage dtype T; g and u (the rounded
+    pre-activations, for training) are meaningful only with SAVE."""
+    if FAST_EPI:
+        # The GeGLU of the fp32 accumulators, rounded once: fewer instructions per output than eager's
+        # formulation (an epilogue that is not overlapped with the next tile's main loop costs its full time).
+        # tanh GELU as x * sigmoid(2 * inner) (= 0.5 * x * (1 + tanh(inner)), no cancellation near -1), with the
+        # hardware exp2 and reciprocal approximations (~2 ulp in fp32, far below the bf16/fp16 rounding).
+        if TANH:
+            z = (2.0 * K_BETA_TANH * 1.4426950408889634) * acc_g * tl.fma(acc_g * acc_g, K_KAPPA, 1.0)
+            h = acc_g * _fast_rcp(1.0 + tl.exp2(-z))
+        else:
+            h = _gelu(acc_g, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA)
+        y = _round(h * acc_u, T)
+        if SAVE:
+            g = _round(acc_g, T)
+            u = _round(acc_u, T)
+        else:
+            g = y
+            u = y
+    else:
+        # The GEMM outputs as eager stores them (rounded to T), then our pointwise GeGLU with eager's rounding.
+        g = _round(acc_g, T)
+        u = _round(acc_u, T)
+        h = _round(_gelu(g.to(tl.float32), TANH, K_BETA_TANH, K_KAPPA, K_ALPHA), T).to(tl.float32)
+        y = _round(h * u.to(tl.float32), T)
+    return y, g, u
+
+
+@triton.jit
 def _gate_up_tile(x_ptr, wg_ptr, wu_ptr, out_ptr, g_ptr, u_ptr, M, N, K,
                   stride_x, stride_wg, stride_wu, stride_o, stride_g, stride_u, pid_m, pid_n,
                   TANH: tl.constexpr, SAVE: tl.constexpr, TMA: tl.constexpr, DOT_F32: tl.constexpr,
@@ -102,26 +137,7 @@ def _gate_up_tile(x_ptr, wg_ptr, wu_ptr, out_ptr, g_ptr, u_ptr, M, N, K,
         else:
             acc_g = tl.dot(a, bg.T, acc_g)
             acc_u = tl.dot(a, bu.T, acc_u)
-    if FAST_EPI:
-        # The GeGLU of the fp32 accumulators, rounded once: fewer instructions per output than eager's
-        # formulation (an epilogue that is not overlapped with the next tile's main loop costs its full time).
-        # tanh GELU as x * sigmoid(2 * inner) (= 0.5 * x * (1 + tanh(inner)), no cancellation near -1), with the
-        # hardware exp2 and reciprocal approximations (~2 ulp in fp32, far below the bf16/fp16 rounding).
-        if TANH:
-            z = (2.0 * K_BETA_TANH * 1.4426950408889634) * acc_g * tl.fma(acc_g * acc_g, K_KAPPA, 1.0)
-            h = acc_g * _fast_rcp(1.0 + tl.exp2(-z))
-        else:
-            h = _gelu(acc_g, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA)
-        y = _round(h * acc_u, T)
-        if SAVE:
-            g = _round(acc_g, T)
-            u = _round(acc_u, T)
-    else:
-        # The GEMM outputs as eager stores them (rounded to T), then our pointwise GeGLU with eager's rounding.
-        g = _round(acc_g, T)
-        u = _round(acc_u, T)
-        h = _round(_gelu(g.to(tl.float32), TANH, K_BETA_TANH, K_KAPPA, K_ALPHA), T).to(tl.float32)
-        y = _round(h * u.to(tl.float32), T)
+    y, g, u = _geglu_epilogue(acc_g, acc_u, T, TANH, SAVE, FAST_EPI, K_BETA_TANH, K_KAPPA, K_ALPHA)
     if TMA:
         out_ptr.store([off_m, off_n], y)
         if SAVE:
@@ -201,21 +217,7 @@ def _packed_tile(x_ptr, w_ptr, out_ptr, g_ptr, u_ptr, M, N, K, pid_m, pid_n,
         acc_g, acc_u = _halves(acc, BLOCK_M, 2 * BLOCK_N)
     else:
         acc_u, acc_g = _halves(acc, BLOCK_M, 2 * BLOCK_N)
-    if FAST_EPI:
-        if TANH:
-            z = (2.0 * K_BETA_TANH * 1.4426950408889634) * acc_g * tl.fma(acc_g * acc_g, K_KAPPA, 1.0)
-            h = acc_g * _fast_rcp(1.0 + tl.exp2(-z))
-        else:
-            h = _gelu(acc_g, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA)
-        y = _round(h * acc_u, T)
-        if SAVE:
-            g = _round(acc_g, T)
-            u = _round(acc_u, T)
-    else:
-        g = _round(acc_g, T)
-        u = _round(acc_u, T)
-        h = _round(_gelu(g.to(tl.float32), TANH, K_BETA_TANH, K_KAPPA, K_ALPHA), T).to(tl.float32)
-        y = _round(h * u.to(tl.float32), T)
+    y, g, u = _geglu_epilogue(acc_g, acc_u, T, TANH, SAVE, FAST_EPI, K_BETA_TANH, K_KAPPA, K_ALPHA)
     out_ptr.store([off_m, off_n], y)
     if SAVE:
         g_ptr.store([off_m, off_n], g)
