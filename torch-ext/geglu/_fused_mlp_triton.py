@@ -193,10 +193,12 @@ def _packed_tile(x_ptr, w_ptr, out_ptr, g_ptr, u_ptr, M, N, K, pid_m, pid_n,
                  TANH: tl.constexpr, SAVE: tl.constexpr, DOT_F32: tl.constexpr, PAIR: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FAST_EPI: tl.constexpr,
                  K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr):
-    """One [BLOCK_M, BLOCK_N] tile of h from the row-interleaved weight w [2N, K] (row 2j = gate row j, row 2j+1 =
-    up row j): one dot of N = 2 * BLOCK_N per K step (the widest wgmma, the x tile read once per step), whose
-    accumulator columns alternate gate, up. In the wgmma accumulator layout each thread holds adjacent column
-    pairs, so splitting gate from up is a register renaming."""
+    """One [BLOCK_M, BLOCK_N] tile of h with one dot of N = 2 * BLOCK_N per K step (the widest wgmma; the x tile
+    read once per step). PAIR 0: w is the row-interleaved packed weight [2N, K] (row 2j = gate row j, 2j + 1 = up
+    row j), so the accumulator's columns alternate gate, up. PAIR 1 / 2: w is the two weights as one strided 3-D
+    tensor [2, N, K] (`pair_layout`) with the gate / the up weight first, and the accumulator's column halves are
+    the two. In the wgmma accumulator layout a thread holds adjacent column pairs and both halves, so either split
+    is a register renaming (no shared-memory round trip)."""
     off_m = pid_m * BLOCK_M
     off_n = pid_n * BLOCK_N
     T = x_ptr.dtype
@@ -595,8 +597,9 @@ def pack_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
 
 
 # Packed/paired-kernel tiles: BLOCK_N counts h columns, so the dot is BLOCK_M x (2 * BLOCK_N). PAIRED_LARGE is what
-# the fused inference path runs above 256 rows (benchmarks/packed_probe.py, H200: 99.5-100.1 % of cuBLAS's two GEMMs
-# at 8192x4096x14336 where the two-accumulator kernel made 96.8 %; docs/fused-mlp.md).
+# the fused inference path runs above 256 rows (benchmarks/packed_probe.py, H200, three runs: 100.0-101.5 % of
+# cuBLAS's two GEMMs at 8192x4096x14336 and 101.9-103.2 % at 8192x2304x9216, where the two-accumulator kernel made
+# 98.3-101.5 % and 97.6-100.1 %; docs/fused-mlp.md). The other entries are the probe's sweep.
 PAIRED_LARGE = Config(128, 128, 64, 16, 8, 3, persistent=True, fast_epi=True, pair=True)
 PACKED_SWEEP = [
     PAIRED_LARGE,
@@ -655,8 +658,9 @@ def paired_gate_up_geglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tens
     no (callers check it first)."""
     layout = pair_layout(w_gate, w_up) if tma_supported(x.device) else None
     if layout is None:
-        raise ValueError("paired_gate_up_geglu needs TMA (sm_90+) and two same-layout, 16-byte aligned weights "
-                         "less than 2^40 bytes apart; use gate_up_geglu instead.")
+        raise ValueError("paired_gate_up_geglu needs TMA (sm_90+) and two same-layout, non-overlapping, 16-byte "
+                         "aligned weights less than 2^40 bytes apart (pair_layout); use gate_up_geglu instead, which "
+                         "falls back to the two-dot kernel.")
     base, outer, pair = layout
     H, D = w_gate.shape
     cfg = config or (INTERPRETER if INTERPRET else PAIRED_LARGE)
