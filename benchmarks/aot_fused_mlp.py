@@ -8,7 +8,7 @@ Uses the Triton on sys.path (install the device's version, e.g. 3.6.0, into a fo
 ``pip install --no-deps --target /tmp/tr36 triton==3.6.0`` and pass ``--triton-path /tmp/tr36``), its bundled ptxas
 and cuobjdump, and a stand-in driver that only names the target (cuda sm_90); nothing is launched.
 
-    python benchmarks/aot_fused_mlp.py [--triton-path DIR] [--save] [--kernel fwd|bwd|all] [--config LABEL]
+    python benchmarks/aot_fused_mlp.py [--triton-path DIR] [--save] [--kernel fwd|paired|bwd|all] [--config LABEL]
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ def main(argv=None) -> int:
     ap.add_argument("--triton-path", default=None, help="folder holding the triton package to compile with")
     ap.add_argument("--shape", default="8192x4096x14336", help="MxDxH (only divisibility matters)")
     ap.add_argument("--config", default=None, help="only the config with this label")
-    ap.add_argument("--kernel", default="all", choices=["fwd", "bwd", "packed", "all"],
-                    help="fwd: gate/up GEMM + GeGLU; bwd: dY @ Wd + dGeGLU (+ h); packed: the row-interleaved "
-                         "[2H, D] weight's kernel")
+    ap.add_argument("--kernel", default="all", choices=["fwd", "bwd", "paired", "all"],
+                    help="fwd: gate/up GEMM + GeGLU (two dots); paired: the same with one dot over both weights; "
+                         "bwd: dY @ Wd + dGeGLU (+ h)")
     ap.add_argument("--save", action="store_true", help="also the training variant (writes [g|u])")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--approximate", default="tanh", choices=["tanh", "none"])
@@ -120,17 +120,15 @@ def main(argv=None) -> int:
             K_3KAPPA=kt.K_3KAPPA, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, **kt._maxnreg(cfg),
             grid=(1,))
 
-    wp = torch.empty(2 * H, D, dtype=bf)
+    w_pair = torch.empty(2, H, D, dtype=bf)  # the two weights, as the paired kernel's 3-D descriptor sees them
 
-    def compile_packed(cfg, save, pair=0):
+    def compile_paired(cfg, save):
         g_view, u_view = (gu[:, :H], gu[:, H:]) if save else (h, h)
         bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-        kargs = [desc(t, b) for t, b in ((x, [bm, bk]), (wp, [2 * bn, bk]), (h, [bm, bn]), (g_view, [bm, bn]),
-                                         (u_view, [bm, bn]))]
-        if pair:  # the two weights in place, through one strided 3-D descriptor
-            kargs[1] = TensorDescriptor(wg, [2, H, D], [H * D, D, 1], [2, bn, bk])
-        return kt._packed_gate_up_geglu_kernel.warmup(
-            *kargs, M, H, D, TANH=args.approximate == "tanh", SAVE=save, DOT_F32=False, PAIR=pair,
+        kargs = [desc(x, [bm, bk]), desc(w_pair, [2, bn, bk]), desc(h, [bm, bn]), desc(g_view, [bm, bn]),
+                 desc(u_view, [bm, bn])]
+        return kt._paired_gate_up_geglu_kernel.warmup(
+            *kargs, M, H, D, TANH=args.approximate == "tanh", SAVE=save, DOT_F32=False, GATE_FIRST=True,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
             PERSISTENT=cfg.persistent, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
             FAST_EPI=cfg.fast_epi, K_BETA_TANH=kt.K_BETA_TANH, K_KAPPA=kt.K_KAPPA, K_ALPHA=kt.K_ALPHA,
@@ -138,16 +136,14 @@ def main(argv=None) -> int:
             grid=(1,))
 
     jobs = []
-    if args.kernel in ("packed", "all"):
+    if args.kernel in ("paired", "all"):
         for save in ((False, True) if args.save else (False,)):
-            for cfg in dict.fromkeys(kt.PACKED_SWEEP):
-                jobs.append((f"{'packed train' if save else 'packed infer'} {cfg.label()}", cfg, compile_packed,
+            for cfg in dict.fromkeys(kt.PAIRED_SWEEP):
+                jobs.append((f"{'paired train' if save else 'paired infer'} {cfg.label()}", cfg, compile_paired,
                              save))
-                jobs.append((f"{'paired train' if save else 'paired infer'} {cfg.label()}", cfg,
-                             lambda c, f: compile_packed(c, f, pair=1), save))
     if args.kernel in ("fwd", "all"):
         for save in ((False, True) if args.save else (False,)):
-            # the two-dot kernel (a config's `pair` flag selects the paired kernel at run time: --kernel packed)
+            # the two-dot kernel (a config's `pair` flag selects the paired kernel at run time: --kernel paired)
             for cfg in dict.fromkeys(c._replace(pair=False) for c in [kt.LARGE, kt.MEDIUM] + list(kt.SWEEP)):
                 jobs.append((f"{'fwd train' if save else 'fwd infer'} {cfg.label()}", cfg, compile_fwd, save))
     if args.kernel in ("bwd", "all"):

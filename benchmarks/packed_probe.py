@@ -1,7 +1,8 @@
 """Does a gate/up GEMM with one N = 2 * BLOCK_N dot per K step (the widest wgmma; the x tile read from shared memory
-once instead of twice) beat the two-accumulator fused kernel and cuBLAS? Over the two weights in place ("paired":
-one strided 3-D TMA box) and over a row-interleaved packed copy [2H, D]. Issue 7's forward <= 4100 us at
-8192x4096x14336 needs the gate/up GEMM a few % faster than cuBLAS.
+once instead of twice) over the two weights in place (the paired kernel: one strided 3-D TMA box) beat the
+two-accumulator fused kernel and cuBLAS? Issue 7's forward <= 4100 us at 8192x4096x14336 needs the gate/up GEMM a
+few % faster than cuBLAS. (Runs up to f45f1ef also timed a row-interleaved packed copy [2H, D] of the weights:
+no faster than paired, so it was removed; benchmarks/results/h200/packed-probe.txt.)
 Dev tool (device); bf16, tanh; every time is a do_bench median (L2 flushed), interleaved over rounds, medians of
 rounds. Prints the error of each path against an fp32 reference next to eager's.
 
@@ -40,7 +41,6 @@ def main():
         x = torch.randn(M, D, generator=gen, **bf)
         wg, wu, wd = (torch.randn(*s, generator=gen, **bf) * D ** -0.5 for s in ((H, D), (H, D), (D, H)))
         wd = wd * (D / H) ** 0.5
-        wp = kt.pack_gate_up(wg, wu)
         wstack = torch.cat([wg, wu])
         h_buf, g_buf, u_buf = (torch.empty(M, H, **bf) for _ in range(3))
         fast = kt.FAST_LARGE._replace(fast_epi=True)
@@ -60,18 +60,16 @@ def main():
             f"dual-acc fused {fast.label()}": (lambda: kt.gate_up_geglu(x, wg, wu, True, False, config=fast),
                                                2 * unit),
         }
-        for cfg in kt.PACKED_SWEEP:
+        for cfg in kt.PAIRED_SWEEP:
             cands[f"paired {cfg.label()}"] = (
                 lambda cfg=cfg: kt.paired_gate_up_geglu(x, wg, wu, True, False, config=cfg), 2 * unit)
-        cands[f"packed copy {kt.PAIRED_LARGE.label()}"] = (
-            lambda: kt.packed_gate_up_geglu(x, wp, True, False), 2 * unit)
         cands["train: dual-acc fused, save g,u,h"] = (lambda: kt.gate_up_geglu(x, wg, wu, True, True, config=fast),
                                                       2 * unit)
         cands["train: dual-acc fused, save, eager epilogue"] = (
             lambda: kt.gate_up_geglu(x, wg, wu, True, True, config=kt.LARGE._replace(pair=False)), 2 * unit)
         cands["train: paired, save g,u,h"] = (lambda: kt.paired_gate_up_geglu(x, wg, wu, True, True), 2 * unit)
         cands["train: paired, save, eager epilogue"] = (
-            lambda: kt.paired_gate_up_geglu(x, wg, wu, True, True, config=kt.PACKED_SWEEP[-1]), 2 * unit)
+            lambda: kt.paired_gate_up_geglu(x, wg, wu, True, True, config=kt.PAIRED_SWEEP[-1]), 2 * unit)
         cands["down: mm(h, Wd.t())"] = (lambda: torch.mm(h_buf, wd.t()), unit)
         cands["MLP fwd: eager"] = (lambda: F.linear(F.gelu(F.linear(x, wg), approximate="tanh") * F.linear(x, wu),
                                                     wd), 3 * unit)
@@ -90,19 +88,18 @@ def main():
 
         print(f"\n{M}x{D}x{H}: relative error of h against fp64: eager {err(eager_h):.3e}", flush=True)
         dual = kt.gate_up_geglu(x, wg, wu, True, False, config=fast)[0]
-        print(f"  pair layout (base is gate: 1, up: 2): {kt.pair_layout(wg, wu)[2]}")
-        for cfg in kt.PACKED_SWEEP:
+        print(f"  pair layout: gate first in memory: {kt.pair_layout(wg, wu).gate_first}")
+        for cfg in kt.PAIRED_SWEEP:
             hp = kt.paired_gate_up_geglu(x, wg, wu, True, False, config=cfg)[0]
             print(f"  paired {cfg.label():<46} {err(hp):.3e}  max |paired - dual| "
                   f"{(hp.float() - dual.float()).abs().max().item():.3e}  regs {kt.last_compiled.n_regs} "
                   f"spills {kt.last_compiled.n_spills}", flush=True)
-        hp, gu = kt.paired_gate_up_geglu(x, wg, wu, True, True, config=kt.PACKED_SWEEP[-1])
+        hp, gu = kt.paired_gate_up_geglu(x, wg, wu, True, True, config=kt.PAIRED_SWEEP[-1])
         hd, gud = kt.gate_up_geglu(x, wg, wu, True, True, config=kt.LARGE._replace(pair=False))
-        hs = kt.packed_gate_up_geglu(x, wp, True, True, config=kt.PACKED_SWEEP[-1])[0]
         print(f"  train outputs (eager epilogue): paired vs dual-acc: g,u equal {torch.equal(gu, gud)}, h equal "
-              f"{torch.equal(hp, hd)}; packed copy h equal {torch.equal(hs, hd)}"
+              f"{torch.equal(hp, hd)}"
               f"; g vs cuBLAS max diff {(gu[:, :H].float() - F.linear(x, wg).float()).abs().max().item():.3e}")
-        del ref, eager_h, dual, hp, gu, hd, gud, hs
+        del ref, eager_h, dual, hp, gu, hd, gud
 
         times = {k: [] for k in cands}
         for r in range(args.rounds):
@@ -118,7 +115,7 @@ def main():
                   f" (rounds spread {spread:.1f}%)" if "MLP" not in k and "down" not in k else
                   f"  {k:<58} {t:9.1f} us  {flops / t / 1e6:6.0f} TFLOP/s  (rounds spread {spread:.1f}%)",
                   flush=True)
-        del cands, x, wg, wu, wd, wp, wstack, h_buf, g_buf, u_buf
+        del cands, x, wg, wu, wd, wstack, h_buf, g_buf, u_buf
         torch.cuda.empty_cache()
 
 

@@ -122,7 +122,7 @@ def test_epilogue_is_pointwise_geglu_of_its_preactivations(geglu, fused, kt, dty
         assert ((g.float() - ref_g).abs() <= ulp * 1.01).all()
 
 
-# --- one wide dot over both weights: paired (in place) and packed (row-interleaved copy) ------------------------
+# --- one wide dot over both weights, in place: the paired kernel ------------------------------------------------
 
 
 def _pair_cfg(kt, **kw):
@@ -141,29 +141,26 @@ def _weight_pairs(H, D, dtype, seed=7):
 
 @pytest.mark.parametrize("approximate", APPROX)
 @pytest.mark.parametrize("dtype", LOW_DTYPES)
-def test_paired_and_packed_equal_the_two_accumulator_kernel(fused, kt, dtype, approximate):
+def test_paired_equals_the_two_accumulator_kernel(fused, kt, dtype, approximate):
     """The paired kernel (one [2, BLOCK_N, BLOCK_K] TMA box over both weights in place, one dot of N = 2 * BLOCK_N)
-    and the packed one (row-interleaved copy) compute what the two-accumulator kernel does: same products, same
-    epilogue, and on the GPU the same fp32 accumulation order per output (wgmma's does not depend on N), so bit for
-    bit: h and the saved [g | u], both epilogues, whichever weight lies first in memory; ragged M, D, H (partial
-    tiles). Under the interpreter the dots are numpy matmuls, whose summation order can change with the width:
-    there the pre-activations may differ by one rounding and h by what that propagates to."""
+    computes what the two-accumulator kernel does: same products, same epilogue, and on the GPU the same fp32
+    accumulation order per output (wgmma's does not depend on N), so bit for bit: h and the saved [g | u], both
+    epilogues, whichever weight lies first in memory; ragged M, D, H (partial tiles). Under the interpreter the
+    dots are numpy matmuls, whose summation order can change with the width: there the pre-activations may differ
+    by one rounding and h by what that propagates to."""
     M, D, H = (40, 48, 40) if not HAS_CUDA else (300, 200, 328)
     x = _data(M, D, H, dtype, down=False)[0]
     tanh = approximate == "tanh"
     for where, (wg, wu) in _weight_pairs(H, D, dtype).items():
         layout = kt.pair_layout(wg, wu)
-        assert layout is not None and layout[2] == {"gate first": 1, "up first": 2}.get(where, layout[2])
+        assert layout is not None
+        assert layout.gate_first == (wg.data_ptr() < wu.data_ptr())
         for fast in (False, True):
             ref_h, ref_gu = kt.gate_up_geglu(x, wg, wu, tanh, True, _pair_cfg(kt, fast_epi=fast))
             h, gu = kt.paired_gate_up_geglu(x, wg, wu, tanh, True, _pair_cfg(kt, fast_epi=fast))
             _same(h, ref_h, gu, ref_gu, f"paired, {where}, fast_epi={fast}")
-            h2, _ = kt.gate_up_geglu(x, wg, wu, tanh, False, _pair_cfg(kt, fast_epi=fast, pair=True))
-            _same(h2, ref_h, gu, ref_gu, f"gate_up_geglu with pair=True, {where}, fast_epi={fast}")
-            wp = kt.pack_gate_up(wg, wu)
-            assert torch.equal(wp[0::2], wg) and torch.equal(wp[1::2], wu)
-            h3, gu3 = kt.packed_gate_up_geglu(x, wp, tanh, True, _pair_cfg(kt, fast_epi=fast))
-            _same(h3, ref_h, gu3, ref_gu, f"packed, fast_epi={fast}")
+            h2, gu2 = kt.gate_up_geglu(x, wg, wu, tanh, True, _pair_cfg(kt, fast_epi=fast, pair=True))
+            _same(h2, ref_h, gu2, ref_gu, f"gate_up_geglu with pair=True, {where}, fast_epi={fast}")
 
 
 def _same(h, ref_h, gu, ref_gu, what):
@@ -182,8 +179,10 @@ def test_pair_layout_refuses_what_one_descriptor_cannot_see(kt):
     gate_up_geglu(pair=True), which falls back to the two-accumulator kernel."""
     dtype = torch.bfloat16
     wg, wu = _weight_pairs(32, 48, dtype)["gate first"]
-    base, outer, pair = kt.pair_layout(wg, wu)
-    assert base.data_ptr() == wg.data_ptr() and outer == 32 * 48 and pair == 1
+    base, outer, gate_first = kt.pair_layout(wg, wu)
+    assert base.data_ptr() == wg.data_ptr() and outer == 32 * 48 and gate_first
+    swapped = kt.pair_layout(wu, wg)  # the same memory with the roles exchanged: the base is now the up weight
+    assert swapped.base.data_ptr() == wg.data_ptr() and swapped.outer_stride == 32 * 48 and not swapped.gate_first
     wide = torch.zeros(32, 64, dtype=dtype, device=DEVICE)[:, :48]
     wide.copy_(wu)
     odd = torch.zeros(32 * 48 + 1, dtype=dtype, device=DEVICE)[1:].view(32, 48)
@@ -193,7 +192,7 @@ def test_pair_layout_refuses_what_one_descriptor_cannot_see(kt):
     assert kt.pair_layout(wg, wu.half()) is None
     assert kt.pair_layout(wg[:16], wu[:16].clone()[:, :40].contiguous()) is None
     assert kt.pair_layout(wg, odd) is None  # 2-byte offset: not 16-byte aligned
-    rows = kt.pack_gate_up(wg, wu)  # the two weights as alternate rows of one tensor: planes interleave
+    rows = torch.stack((wg, wu), dim=1).reshape(64, 48)  # the two weights as alternate rows of one tensor
     assert kt.pair_layout(rows[0::2], rows[1::2]) is None
     got, _ = kt.gate_up_geglu(_data(40, 48, 32, dtype, down=False)[0], rows[0::2], rows[1::2], True, False,
                               _pair_cfg(kt, pair=True))

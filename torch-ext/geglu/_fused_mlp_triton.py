@@ -185,37 +185,31 @@ def _halves(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
 
 
-# --- packed weight: one N = 2 * BLOCK_N dot per K step --------------------------------------------------------
+# --- paired weights: one N = 2 * BLOCK_N dot per K step over both weights, in place ---------------------------
 
 
 @triton.jit
-def _packed_tile(x_ptr, w_ptr, out_ptr, g_ptr, u_ptr, M, N, K, pid_m, pid_n,
-                 TANH: tl.constexpr, SAVE: tl.constexpr, DOT_F32: tl.constexpr, PAIR: tl.constexpr,
+def _paired_tile(x_ptr, w_ptr, out_ptr, g_ptr, u_ptr, M, N, K, pid_m, pid_n,
+                 TANH: tl.constexpr, SAVE: tl.constexpr, DOT_F32: tl.constexpr, GATE_FIRST: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FAST_EPI: tl.constexpr,
                  K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] tile of h with one dot of N = 2 * BLOCK_N per K step (the widest wgmma; the x tile
-    read once per step). PAIR 0: w is the row-interleaved packed weight [2N, K] (row 2j = gate row j, 2j + 1 = up
-    row j), so the accumulator's columns alternate gate, up. PAIR 1 / 2: w is the two weights as one strided 3-D
-    tensor [2, N, K] (`pair_layout`) with the gate / the up weight first, and the accumulator's column halves are
-    the two. In the wgmma accumulator layout a thread holds adjacent column pairs and both halves, so either split
-    is a register renaming (no shared-memory round trip)."""
+    read once per step): w is the two weights as one strided 3-D tensor [2, N, K] (`pair_layout`), the gate first
+    or the up weight first in memory, and a [2, BLOCK_N, BLOCK_K] box holds both weights' tiles. The accumulator's
+    column halves are the two products; in the wgmma accumulator layout a thread holds columns of both halves, so
+    the split is a register renaming (no shared-memory round trip)."""
     off_m = pid_m * BLOCK_M
     off_n = pid_n * BLOCK_N
     T = x_ptr.dtype
     acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         a = x_ptr.load([off_m, k * BLOCK_K])
-        if PAIR == 0:
-            b = w_ptr.load([2 * off_n, k * BLOCK_K])
-        else:  # a [2, BLOCK_N, BLOCK_K] box over the two weights seen as one strided 3-D tensor
-            b = tl.reshape(w_ptr.load([0, off_n, k * BLOCK_K]), (2 * BLOCK_N, BLOCK_K))
+        b = tl.reshape(w_ptr.load([0, off_n, k * BLOCK_K]), (2 * BLOCK_N, BLOCK_K))
         if DOT_F32:
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32).T, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b.T, acc)
-    if PAIR == 0:
-        acc_g, acc_u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
-    elif PAIR == 1:
+    if GATE_FIRST:
         acc_g, acc_u = _halves(acc, BLOCK_M, 2 * BLOCK_N)
     else:
         acc_u, acc_g = _halves(acc, BLOCK_M, 2 * BLOCK_N)
@@ -227,11 +221,11 @@ def _packed_tile(x_ptr, w_ptr, out_ptr, g_ptr, u_ptr, M, N, K, pid_m, pid_n,
 
 
 @triton.jit
-def _packed_gate_up_geglu_kernel(x_ptr, w_ptr, out_ptr, g_ptr, u_ptr, M, N, K,
+def _paired_gate_up_geglu_kernel(x_ptr, w_ptr, out_ptr, g_ptr, u_ptr, M, N, K,
                                  TANH: tl.constexpr, SAVE: tl.constexpr, DOT_F32: tl.constexpr,
-                                 PAIR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                 GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
-                                 WARP_SPECIALIZE: tl.constexpr, FAST_EPI: tl.constexpr,
+                                 GATE_FIRST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr,
+                                 FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FAST_EPI: tl.constexpr,
                                  K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -239,11 +233,11 @@ def _packed_gate_up_geglu_kernel(x_ptr, w_ptr, out_ptr, g_ptr, u_ptr, M, N, K,
         for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=FLATTEN,
                                 warp_specialize=WARP_SPECIALIZE):
             pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-            _packed_tile(x_ptr, w_ptr, out_ptr, g_ptr, u_ptr, M, N, K, pid_m, pid_n, TANH, SAVE, DOT_F32, PAIR,
+            _paired_tile(x_ptr, w_ptr, out_ptr, g_ptr, u_ptr, M, N, K, pid_m, pid_n, TANH, SAVE, DOT_F32, GATE_FIRST,
                          BLOCK_M, BLOCK_N, BLOCK_K, FAST_EPI, K_BETA_TANH, K_KAPPA, K_ALPHA)
     else:
         pid_m, pid_n = _tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
-        _packed_tile(x_ptr, w_ptr, out_ptr, g_ptr, u_ptr, M, N, K, pid_m, pid_n, TANH, SAVE, DOT_F32, PAIR,
+        _paired_tile(x_ptr, w_ptr, out_ptr, g_ptr, u_ptr, M, N, K, pid_m, pid_n, TANH, SAVE, DOT_F32, GATE_FIRST,
                      BLOCK_M, BLOCK_N, BLOCK_K, FAST_EPI, K_BETA_TANH, K_KAPPA, K_ALPHA)
 
 
@@ -551,8 +545,10 @@ def gate_up_geglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, tan
     g_view, u_view = (gu[:, :N], gu[:, N:]) if save else (out, out)
     tensors = (x, w_gate, w_up, out, g_view, u_view)
     use_tma = cfg.tma and tma_supported(x.device) and all(_aligned(t) for t in tensors)
-    if use_tma and cfg.pair and pair_layout(w_gate, w_up) is not None:
-        return paired_gate_up_geglu(x, w_gate, w_up, tanh, save, cfg, out=out, gu=gu)
+    layout = pair_layout(w_gate, w_up) if use_tma and cfg.pair else None
+    if layout is not None:
+        _launch_paired(x, layout, w_gate, out, g_view, u_view, tanh, save, cfg)
+        return out, gu
     if use_tma:
         bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
         args = [TensorDescriptor(t, list(t.shape), list(t.stride()), blk) for t, blk in
@@ -590,18 +586,12 @@ def _launch(args, M, N, K, x, w_gate, w_up, out, g_view, u_view, tanh, save, use
         )
 
 
-def pack_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
-    """The row-interleaved [2H, D] weight of the packed kernel: row 2j = w_gate[j], row 2j + 1 = w_up[j]. Its
-    views ``packed[0::2]`` and ``packed[1::2]`` are w_gate and w_up (row stride 2D)."""
-    return torch.stack((w_gate, w_up), dim=1).reshape(2 * w_gate.shape[0], w_gate.shape[1])
-
-
-# Packed/paired-kernel tiles: BLOCK_N counts h columns, so the dot is BLOCK_M x (2 * BLOCK_N). PAIRED_LARGE is what
-# the fused inference path runs above 256 rows (benchmarks/packed_probe.py, H200, three runs: 100.0-101.5 % of
-# cuBLAS's two GEMMs at 8192x4096x14336 and 101.9-103.2 % at 8192x2304x9216, where the two-accumulator kernel made
+# Paired-kernel tiles: BLOCK_N counts h columns, so the dot is BLOCK_M x (2 * BLOCK_N). PAIRED_LARGE is what the
+# fused inference path runs above 256 rows (benchmarks/packed_probe.py, H200, three runs: 100.0-101.5 % of cuBLAS's
+# two GEMMs at 8192x4096x14336 and 101.9-103.2 % at 8192x2304x9216, where the two-accumulator kernel made
 # 98.3-101.5 % and 97.6-100.1 %; docs/fused-mlp.md). The other entries are the probe's sweep.
 PAIRED_LARGE = Config(128, 128, 64, 16, 8, 3, persistent=True, fast_epi=True, pair=True)
-PACKED_SWEEP = [
+PAIRED_SWEEP = [
     PAIRED_LARGE,
     Config(128, 128, 64, 8, 8, 3, persistent=True, fast_epi=True, pair=True),
     Config(128, 128, 64, 16, 8, 4, persistent=True, fast_epi=True, pair=True),
@@ -613,31 +603,24 @@ PACKED_SWEEP = [
 ]
 
 
-def packed_gate_up_geglu(x: torch.Tensor, w_packed: torch.Tensor, tanh: bool, save: bool,
-                         config: Optional[Config] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """h = geglu(x @ w_gate^T, x @ w_up^T) from the row-interleaved weight (`pack_gate_up`), x [M, D] contiguous;
-    TMA only (sm_90+, or the interpreter). With ``save`` also gu = [g | u] [M, 2H]."""
-    N = w_packed.shape[0] // 2
-    cfg = config or (INTERPRETER if INTERPRET else PAIRED_LARGE)
-    if not (tma_supported(x.device) and _aligned(w_packed)):
-        raise ValueError("packed_gate_up_geglu needs TMA (sm_90+) and 16-byte aligned rows.")
-    desc = TensorDescriptor(w_packed, list(w_packed.shape), list(w_packed.stride()), [2 * cfg.block_n, cfg.block_k])
-    return _launch_packed(x, desc, N, 0, tanh, save, cfg)
-
-
 _TMA_MAX_STRIDE = 1 << 40  # bytes: cuTensorMapEncodeTiled's limit on a global stride
 
 
-def pair_layout(w_gate: torch.Tensor, w_up: torch.Tensor) -> Optional[Tuple[torch.Tensor, int, int]]:
-    """The two weights as one strided 3-D tensor [2, H, D] for a TMA descriptor, without a copy: (base, outer
-    stride in elements, PAIR) with PAIR 1 when the gate is at the lower address, 2 when the up weight is; None when
-    they cannot be (different shapes, strides or dtypes, unaligned, overlapping or interleaved, or further apart
-    than TMA can stride)."""
+class PairLayout(NamedTuple):
+    base: torch.Tensor  # the weight at the lower address
+    outer_stride: int  # elements from that weight's start to the other's
+    gate_first: bool  # whether the base is the gate weight
+
+
+def pair_layout(w_gate: torch.Tensor, w_up: torch.Tensor) -> Optional[PairLayout]:
+    """The two weights as one strided 3-D tensor [2, H, D] for a TMA descriptor, without a copy; None when they
+    cannot be (different shapes, strides or dtypes, unaligned, overlapping or interleaved, or further apart than
+    TMA can stride)."""
     if (w_gate.shape != w_up.shape or w_gate.stride() != w_up.stride() or w_gate.dtype != w_up.dtype
             or w_gate.device != w_up.device or not (_aligned(w_gate) and _aligned(w_up))):
         return None
     delta = w_up.data_ptr() - w_gate.data_ptr()
-    base, pair = (w_gate, 1) if delta > 0 else (w_up, 2)
+    base, gate_first = (w_gate, True) if delta > 0 else (w_up, False)
     delta = abs(delta)
     es = w_gate.element_size()
     H, D = w_gate.shape
@@ -646,57 +629,55 @@ def pair_layout(w_gate: torch.Tensor, w_up: torch.Tensor) -> Optional[Tuple[torc
     # smaller than a plane: not a layout TMA promises to take, so those pairs run the two-accumulator kernel.
     if delta < extent or delta % 16 or delta >= _TMA_MAX_STRIDE:
         return None
-    return base, delta // es, pair
+    return PairLayout(base, delta // es, gate_first)
 
 
 def paired_gate_up_geglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, tanh: bool, save: bool,
-                         config: Optional[Config] = None, out: Optional[torch.Tensor] = None,
-                         gu: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The packed kernel on the two weights in place: one TMA box [2, BLOCK_N, BLOCK_K] loads both weights' tiles
-    into one [2 * BLOCK_N, BLOCK_K] operand (gate rows, then up rows), through a descriptor that sees the two
-    weights as one strided 3-D tensor (`pair_layout`); no packed copy. Raises ValueError when `pair_layout` says
-    no (callers check it first)."""
+                         config: Optional[Config] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """h = geglu(x @ w_gate^T, x @ w_up^T) (and with ``save`` gu = [g | u] [M, 2H]) by the paired kernel: one TMA
+    box [2, BLOCK_N, BLOCK_K] loads both weights' tiles into one [2 * BLOCK_N, BLOCK_K] operand, through a
+    descriptor that sees the two weights as one strided 3-D tensor (`pair_layout`); no copy. x [M, D] with
+    16-byte aligned rows. Raises ValueError where `pair_layout` says no (`gate_up_geglu` with a `pair` config falls
+    back to the two-dot kernel there instead)."""
     layout = pair_layout(w_gate, w_up) if tma_supported(x.device) else None
     if layout is None:
         raise ValueError("paired_gate_up_geglu needs TMA (sm_90+) and two same-layout, non-overlapping, 16-byte "
                          "aligned weights less than 2^40 bytes apart (pair_layout); use gate_up_geglu instead, which "
                          "falls back to the two-dot kernel.")
-    base, outer, pair = layout
-    H, D = w_gate.shape
-    cfg = config or (INTERPRETER if INTERPRET else PAIRED_LARGE)
-    desc = TensorDescriptor(base, [2, H, D], [outer, w_gate.stride(0), 1], [2, cfg.block_n, cfg.block_k])
-    return _launch_packed(x, desc, H, pair, tanh, save, cfg, out, gu)
-
-
-def _launch_packed(x, w_desc, N, pair, tanh, save, cfg, out=None, gu=None):
-    M, K = x.shape
-    if out is None:
-        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    if gu is None and save:
-        gu = torch.empty((M, 2 * N), dtype=x.dtype, device=x.device)
+    M, N = x.shape[0], w_gate.shape[0]
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    gu = torch.empty((M, 2 * N), dtype=x.dtype, device=x.device) if save else None
     if M == 0 or N == 0:
         return out, gu
-    if K == 0:
+    if x.shape[1] == 0:
         raise ValueError("geglu_mlp_fused: D = 0 is not supported by the fused kernel.")
     g_view, u_view = (gu[:, :N], gu[:, N:]) if save else (out, out)
     if not all(_aligned(t) for t in (x, out, g_view, u_view)):
-        raise ValueError("the packed gate/up kernel needs 16-byte aligned rows of x (and of the outputs).")
+        raise ValueError("paired_gate_up_geglu needs x with 16-byte aligned rows and a unit feature stride.")
+    _launch_paired(x, layout, w_gate, out, g_view, u_view, tanh, save, config or (
+        INTERPRETER if INTERPRET else PAIRED_LARGE))
+    return out, gu
+
+
+def _launch_paired(x, layout: PairLayout, w_gate, out, g_view, u_view, tanh, save, cfg):
+    global last_compiled
+    M, K = x.shape
+    N = w_gate.shape[0]
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    w_desc = TensorDescriptor(layout.base, [2, N, K], [layout.outer_stride, w_gate.stride(0), 1], [2, bn, bk])
     args = [TensorDescriptor(t, list(t.shape), list(t.stride()), blk) for t, blk in
             ((x, [bm, bk]), (out, [bm, bn]), (g_view, [bm, bn]), (u_view, [bm, bn]))]
     args.insert(1, w_desc)
-    global last_compiled
     num_tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     grid = (min(num_tiles, cfg.programs_per_sm * _sm_count(x.device)) if cfg.persistent else num_tiles,)
     with torch.cuda.device(x.device) if x.device.type == "cuda" else _nullcontext():
-        last_compiled = _packed_gate_up_geglu_kernel[grid](
-            *args, M, N, K, TANH=tanh, SAVE=save, DOT_F32=INTERPRET, PAIR=pair,
+        last_compiled = _paired_gate_up_geglu_kernel[grid](
+            *args, M, N, K, TANH=tanh, SAVE=save, DOT_F32=INTERPRET, GATE_FIRST=layout.gate_first,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
             PERSISTENT=cfg.persistent, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
             FAST_EPI=cfg.fast_epi, K_BETA_TANH=K_BETA_TANH, K_KAPPA=K_KAPPA, K_ALPHA=K_ALPHA,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, **_maxnreg(cfg),
         )
-    return out, gu
 
 
 def down_dgeglu(dy: torch.Tensor, w_down: torch.Tensor, gu: torch.Tensor, tanh: bool, write_h: bool,
