@@ -271,6 +271,31 @@ def test_mlp_forward_backward_vs_fp32_reference(fused, dtype, approximate, with_
     _assert_no_worse(ours, eager, ref32, 1.5, f"{dtype} {approximate}")
 
 
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+@pytest.mark.parametrize("fwd,bwd", [(True, False), (False, True), (True, True)], ids=["fwd", "bwd", "both"])
+def test_training_node_with_fused_kernels_vs_fp32_reference(geglu, fused, kt, dtype, approximate, fwd, bwd,
+                                                             monkeypatch):
+    """GeGLUMLP's training node (_mlp.py) with FUSED_FORWARD (gate/up GEMM + GeGLU writing g, u, h) and/or
+    FUSED_BACKWARD (dY @ Wd + dGeGLU over g, u): the fused kernels run (counted), and the output and every gradient
+    are no less accurate against an fp32 reference than eager's."""
+    mlp = importlib.import_module(geglu.__name__ + "._mlp")
+    monkeypatch.setattr(mlp, "FUSED_FORWARD", fwd)
+    monkeypatch.setattr(mlp, "FUSED_BACKWARD", bwd)
+    calls = []
+    for name in ("gate_up_geglu", "down_dgeglu_into"):
+        real = getattr(kt, name)
+        monkeypatch.setattr(kt, name, lambda *a, _n=name, _r=real, **k: calls.append(_n) or _r(*a, **k))
+    M, D, H = 48, 32, 48
+    x, wg, wu, wd = _data(M, D, H, dtype)
+    ours = _run(lambda *a: mlp.GeGLUMLPFunction.apply(*a), x.view(3, 16, D), wg, wu, wd, approximate)
+    assert calls == ["gate_up_geglu"] * fwd + ["down_dgeglu_into"] * bwd
+    eager = _run(_eager, x.view(3, 16, D), wg, wu, wd, approximate)
+    ref32 = _run(_eager, *(t.float() for t in (x.view(3, 16, D), wg, wu, wd)), approximate)
+    assert all(o.dtype == dtype and o.shape == e.shape for o, e in zip(ours, eager))
+    _assert_no_worse(ours, eager, ref32, 1.5, f"{dtype} {approximate} fwd={fwd} bwd={bwd}")
+
+
 def test_leading_dims_and_inference_mode(geglu, fused):
     """x [B, T, D] works; under no_grad nothing is saved and the output equals the training-mode output."""
     x, wg, wu, wd = _data(2 * 9, 32, 48, torch.bfloat16)

@@ -473,7 +473,12 @@ BWD_SWEEP = [
     Config(128, 128, 64, 8, 8, 3, epi_split=4),
     Config(128, 128, 64, 8, 8, 3, epi_split=4, maxnreg=128),  # 138 registers uncapped: capped, two per SM
     Config(128, 256, 64, 8, 8, 3, epi_split=4),
-    Config(128, 128, 64, 8, 8, 3, persistent=True),  # no epilogue split (reference: spills)
+    # Two programs per SM, so that one program's memory-bound epilogue runs under the other's main loop:
+    Config(128, 128, 64, 8, 4, 3, epi_split=4),
+    Config(128, 128, 64, 8, 4, 3, persistent=True, programs_per_sm=2, epi_split=4),
+    Config(128, 128, 64, 8, 8, 3, persistent=True, programs_per_sm=2, epi_split=4, maxnreg=128),
+    Config(64, 128, 64, 8, 4, 4, epi_split=2),
+    Config(128, 128, 64, 8, 4, 2, epi_split=4),
 ]
 
 
@@ -684,13 +689,20 @@ def down_dgeglu(dy: torch.Tensor, w_down: torch.Tensor, gu: torch.Tensor, tanh: 
                 config: Optional[Config] = None) -> Optional[torch.Tensor]:
     """In place: gu = [g | u] [M, 2H] becomes [d_g | d_u] for d_h = dy @ w_down (dy [M, D], w_down [D, H]); with
     ``write_h`` also returns h = geglu(g, u) [M, H] (for dW_down), recomputed from g, u."""
+    N = w_down.shape[1]
+    return down_dgeglu_into(dy, w_down, gu[:, :N], gu[:, N:], tanh, write_h, config)
+
+
+def down_dgeglu_into(dy: torch.Tensor, w_down: torch.Tensor, g_view: torch.Tensor, u_view: torch.Tensor, tanh: bool,
+                     write_h: bool, config: Optional[Config] = None) -> Optional[torch.Tensor]:
+    """`down_dgeglu` with g and u as two [M, H] tensors (unit last-dim stride, e.g. two separate GEMM outputs):
+    d_g is written over g and d_u over u."""
     M, K = dy.shape
     N = w_down.shape[1]
     h = torch.empty((M, N), dtype=dy.dtype, device=dy.device) if write_h else None
     if M == 0 or N == 0:
         return h
     cfg = config or choose_bwd_config(M, K, N, dy.dtype, write_h)
-    g_view, u_view = gu[:, :N], gu[:, N:]
     h_arg = h if write_h else g_view
     tensors = (dy, w_down, g_view, u_view, h_arg)
     use_tma = cfg.tma and tma_supported(dy.device) and all(_aligned(t) for t in tensors)

@@ -32,6 +32,16 @@ from torch import Tensor
 from . import _backend
 from . import _custom_ops as _pw
 
+# The fused kernels in the training step (off by default: these runs are eager's bits). FUSED_FORWARD: the gate/up
+# GEMM with the GeGLU in its epilogue, writing g, u and h (`_fused_mlp_triton.gate_up_geglu`, TRAIN_FWD_CONFIG).
+# FUSED_BACKWARD: dY @ Wd with the dGeGLU in its epilogue, writing d_g, d_u over g, u (`down_dgeglu_into`,
+# TRAIN_BWD_CONFIG), so d_h never reaches memory. Either applies only to fp16/bf16 CUDA steps the Triton kernels
+# take (sm_90+ with TMA, more than DECODE_MAX_M rows; or the Triton interpreter in tests).
+FUSED_FORWARD = False
+FUSED_BACKWARD = False
+TRAIN_FWD_CONFIG = None  # None: the kernel module's choice for the shape
+TRAIN_BWD_CONFIG = None
+
 _PLAIN = (Tensor, torch.nn.Parameter)
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _is_compiling = torch.compiler.is_compiling
@@ -73,15 +83,38 @@ def applies(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> bool:
     return w_up.shape == w_gate.shape and D == x.shape[-1] and w_down.shape[1] == H and H > 0 and D > 0
 
 
+def _fused_kernels(x2: Tensor):
+    """The fused-MLP kernel module if its Triton kernels take this step (fp16/bf16, enough rows, TMA), else None."""
+    if x2.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    from . import _fused_mlp as fm
+
+    try:
+        if not fm._fused_kernel_applies(x2):
+            return None
+        kt = fm._kernels()
+    except ImportError:  # no triton
+        return None
+    return kt if kt.tma_supported(x2.device) else None
+
+
 class GeGLUMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down, approximate):
         x2 = x.reshape(-1, x.shape[-1])  # what F.linear's matmul does with [..., D]
-        g = torch.mm(x2, w_gate.t())
-        u = torch.mm(x2, w_up.t())
-        h = torch.empty_like(g)
-        _pw._forward_into(h, g, u, approximate, True)
+        kt = _fused_kernels(x2) if (FUSED_FORWARD or FUSED_BACKWARD) else None
+        if kt is not None and FUSED_FORWARD:
+            H = w_gate.shape[0]
+            h, gu = kt.gate_up_geglu(x2.contiguous(), w_gate.contiguous(), w_up.contiguous(), approximate == "tanh",
+                                     True, config=TRAIN_FWD_CONFIG)
+            g, u = gu[:, :H], gu[:, H:]
+        else:
+            g = torch.mm(x2, w_gate.t())
+            u = torch.mm(x2, w_up.t())
+            h = torch.empty_like(g)
+            _pw._forward_into(h, g, u, approximate, True)
         y = torch.mm(h, w_down.t())
+        ctx.fused_bwd = kt is not None and FUSED_BACKWARD
         ctx.approximate = approximate
         ctx.ran = False
         if _hooks_active():
@@ -110,10 +143,18 @@ class GeGLUMLPFunction(torch.autograd.Function):
         need_x, need_wg, need_wu, need_wd = ctx.needs_input_grad[:4]
         dy2 = dy.reshape(-1, dy.shape[-1])
         dwd = torch.mm(dy2.t(), h) if need_wd else None  # h's last reader
-        d_h = torch.mm(dy2, w_down, out=h)  # written over h
-        del h
-        _pw._backward_into(g, u, d_h, g, u, ctx.approximate)  # [d_g, d_u] written over g and u
-        del d_h
+        if ctx.fused_bwd:
+            del h
+            from . import _fused_mlp as fm
+
+            # d_h = dy @ Wd in a Triton GEMM whose epilogue writes [d_g, d_u] over g and u: no d_h in memory
+            fm._kernels().down_dgeglu_into(dy2.contiguous(), w_down.contiguous(), g, u, ctx.approximate == "tanh",
+                                           False, config=TRAIN_BWD_CONFIG)
+        else:
+            d_h = torch.mm(dy2, w_down, out=h)  # written over h
+            del h
+            _pw._backward_into(g, u, d_h, g, u, ctx.approximate)  # [d_g, d_u] written over g and u
+            del d_h
         d_g, d_u = g, u
         del g, u
         x2 = x.reshape(-1, x.shape[-1])
@@ -143,4 +184,4 @@ def training_forward(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, ap
     return _apply(x, w_gate, w_up, w_down, approximate)
 
 
-__all__ = ["GeGLUMLPFunction", "applies", "host_bound", "training_forward"]
+__all__ = ["GeGLUMLPFunction", "applies", "host_bound", "training_forward", "FUSED_FORWARD", "FUSED_BACKWARD"]
