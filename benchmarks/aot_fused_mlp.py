@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kernel", default="all", choices=["fwd", "bwd", "paired", "all"],
                     help="fwd: gate/up GEMM + GeGLU (two dots); paired: the same with one dot over both weights; "
                          "bwd: dY @ Wd + dGeGLU (+ h)")
-    ap.add_argument("--save", action="store_true", help="also the training variant (writes [g|u])")
+    ap.add_argument("--save", action="store_true", help="also the training variant (writes [g|u]; bwd: also h)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--approximate", default="tanh", choices=["tanh", "none"])
     ap.add_argument("--out", type=Path, default=None, help="keep PTX / SASS here")
@@ -110,15 +110,15 @@ def main(argv=None) -> int:
         bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
         pn = bn // cfg.epi_split
         tensors = ((dy, [bm, bk]), (wd, [bk, bn]), (g_view, [bm, pn]), (u_view, [bm, pn]), (h, [bm, pn]))
-        kargs = [desc(t, b) if cfg.tma else t for t, b in tensors]
+        kargs = [desc(t, b) if cfg.tma and (i < 2 or not cfg.prefetch) else t for i, (t, b) in enumerate(tensors)]
         return kt._down_dgeglu_kernel.warmup(
             *kargs, M, H, D, dy.stride(0), wd.stride(0), g_view.stride(0), u_view.stride(0), h.stride(0),
             TANH=args.approximate == "tanh", WRITE_H=write_h, TMA=cfg.tma, DOT_F32=False, EPI_SPLIT=cfg.epi_split,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
             PERSISTENT=cfg.persistent, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
             K_BETA_TANH=kt.K_BETA_TANH, K_KAPPA=kt.K_KAPPA, K_ALPHA=kt.K_ALPHA, K_BETA_ERF=kt.K_BETA_ERF,
-            K_3KAPPA=kt.K_3KAPPA, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, **kt._maxnreg(cfg),
-            grid=(1,))
+            K_3KAPPA=kt.K_3KAPPA, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            enable_fp_fusion=False, **kt._maxnreg(cfg), grid=(1,))
 
     w_pair = torch.empty(2, H, D, dtype=bf)  # the two weights, as the paired kernel's 3-D descriptor sees them
 
@@ -147,8 +147,9 @@ def main(argv=None) -> int:
             for cfg in dict.fromkeys(c._replace(pair=False) for c in [kt.LARGE, kt.MEDIUM] + list(kt.SWEEP)):
                 jobs.append((f"{'fwd train' if save else 'fwd infer'} {cfg.label()}", cfg, compile_fwd, save))
     if args.kernel in ("bwd", "all"):
-        for cfg in dict.fromkeys([kt.BWD_LARGE, kt.BWD_MEDIUM] + list(kt.BWD_SWEEP)):
-            jobs.append((f"bwd dgeglu+h {cfg.label()}", cfg, compile_bwd, True))
+        for write_h in ((False, True) if args.save else (False,)):  # write_h: the op's path; without: the node's
+            for cfg in dict.fromkeys([kt.BWD_LARGE, kt.BWD_MEDIUM] + list(kt.BWD_SWEEP)):
+                jobs.append((f"bwd dgeglu{'+h' if write_h else ''} {cfg.label()}", cfg, compile_bwd, write_h))
     bad = 0
     for label, cfg, fn, flag in jobs:
         if args.config and cfg.label() != args.config:

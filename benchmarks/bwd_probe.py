@@ -126,7 +126,23 @@ def _shape(args, shape, kt, pw, mlp):
         cands[f"fwd: fused save g,u,h {cfg.label()}"] = (
             lambda cfg=cfg: kt.gate_up_geglu(x, wg, wu, True, True, config=cfg), 2 * unit)
 
+    times = _rounds(args, cands, restore)
+    base_b = _median(times["bwd: cuBLAS d_h = mm(dy, Wd)"])
+    base_f = _median(times["fwd: cuBLAS g, u + pointwise GeGLU"])
+    print(f"\n{M}x{D}x{H} (GEMM unit 2*M*D*H = {unit / 1e12:.3f} TFLOP); bwd % = of cuBLAS d_h's time, "
+          "fwd % = of cuBLAS g, u + pointwise")
+    for k, (fn, flops) in cands.items():
+        t = _median(times[k])
+        rel = f"{100 * base_b / t:6.1f}% of cuBLAS d_h" if k.startswith("bwd") else f"{100 * base_f / t:6.1f}% of cuBLAS+pw"
+        _row(k, t, times[k], flops, rel)
+    best_bwd = min(ok_configs, key=lambda c: _median(times[f"bwd: fused {c.label()}"]))
+    mlp.TRAIN_BWD_CONFIG = best_bwd
+    mlp.TRAIN_FWD_CONFIG = kt.PAIRED_LARGE  # the fast epilogue, paired; with save it also writes g and u
+    print(f"  step: fused forward {kt.PAIRED_LARGE.label()} (+ save), fused backward {best_bwd.label()} (the "
+          "fastest above)", flush=True)
+
     # --- the whole training step through the node, with each combination of the fused kernels
+    cands = {}
     leaves = [t.clone().requires_grad_() for t in (x, wg, wu)] + [wd.clone().requires_grad_()]
 
     def step(fwd, bwd):
@@ -162,28 +178,29 @@ def _shape(args, shape, kt, pw, mlp):
     del grads32
     torch.cuda.empty_cache()
 
+    times = _rounds(args, cands, restore, rep_ms=300)
+    base_s = _median(times["step: eager"])
+    print(f"\n{M}x{D}x{H}: the training step (forward + backward), ratio to eager's step")
+    for k, (fn, flops) in cands.items():
+        t = _median(times[k])
+        _row(k, t, times[k], flops, f"{t / base_s:6.3f} of eager")
+    mlp.TRAIN_BWD_CONFIG = mlp.TRAIN_FWD_CONFIG = None
+
+
+def _rounds(args, cands, restore, rep_ms=100):
     times = {k: [] for k in cands}
     for r in range(args.rounds):
         for k, (fn, _) in cands.items():
             restore()
-            times[k].append(_median_us(fn, rep_ms=100 if not k.startswith("step") else 300))
+            times[k].append(_median_us(fn, rep_ms=rep_ms))
         print(f"  round {r + 1}/{args.rounds} done", flush=True)
-    base_b = _median(times["bwd: cuBLAS d_h = mm(dy, Wd)"])
-    base_f = _median(times["fwd: cuBLAS g, u + pointwise GeGLU"])
-    base_s = _median(times["step: eager"])
-    print(f"\n{M}x{D}x{H} (GEMM unit 2*M*D*H = {unit / 1e12:.3f} TFLOP); bwd % = of cuBLAS d_h's time, "
-          "fwd % = of cuBLAS g, u + pointwise, step = ratio to eager's step")
-    for k, (fn, flops) in cands.items():
-        t = _median(times[k])
-        spread = (max(times[k]) - min(times[k])) / t * 100
-        if k.startswith("bwd"):
-            rel = f"{100 * base_b / t:6.1f}% of cuBLAS d_h"
-        elif k.startswith("fwd"):
-            rel = f"{100 * base_f / t:6.1f}% of cuBLAS+pw"
-        else:
-            rel = f"{t / base_s:6.3f} of eager"
-        rate = f"{flops / t / 1e6:6.0f} TFLOP/s" if flops else " " * 14
-        print(f"  {k:<58} {t:9.1f} us  {rate}  {rel}  (rounds spread {spread:.1f}%)", flush=True)
+    return times
+
+
+def _row(k, t, ts, flops, rel):
+    spread = (max(ts) - min(ts)) / t * 100
+    rate = f"{flops / t / 1e6:6.0f} TFLOP/s" if flops else " " * 14
+    print(f"  {k:<58} {t:9.1f} us  {rate}  {rel}  (rounds spread {spread:.1f}%)", flush=True)
 
 
 if __name__ == "__main__":
