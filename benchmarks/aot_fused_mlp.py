@@ -110,14 +110,14 @@ def main(argv=None) -> int:
         bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
         pn = bn // cfg.epi_split
         tensors = ((dy, [bm, bk]), (wd, [bk, bn]), (g_view, [bm, pn]), (u_view, [bm, pn]), (h, [bm, pn]))
-        kargs = [desc(t, b) if cfg.tma and (i < 2 or not cfg.prefetch) else t for i, (t, b) in enumerate(tensors)]
+        kargs = [desc(t, b) if cfg.tma else t for t, b in tensors]
         return kt._down_dgeglu_kernel.warmup(
             *kargs, M, H, D, dy.stride(0), wd.stride(0), g_view.stride(0), u_view.stride(0), h.stride(0),
             TANH=args.approximate == "tanh", WRITE_H=write_h, TMA=cfg.tma, DOT_F32=False, EPI_SPLIT=cfg.epi_split,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
             PERSISTENT=cfg.persistent, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
             K_BETA_TANH=kt.K_BETA_TANH, K_KAPPA=kt.K_KAPPA, K_ALPHA=kt.K_ALPHA, K_BETA_ERF=kt.K_BETA_ERF,
-            K_3KAPPA=kt.K_3KAPPA, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            K_3KAPPA=kt.K_3KAPPA, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             enable_fp_fusion=False, **kt._maxnreg(cfg), grid=(1,))
 
     w_pair = torch.empty(2, H, D, dtype=bf)  # the two weights, as the paired kernel's 3-D descriptor sees them

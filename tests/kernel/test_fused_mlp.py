@@ -219,13 +219,9 @@ def _exact_grad_data(M, D, H, dtype, seed=3):
 def _bwd_configs(kt):
     if not HAS_CUDA:
         return [None, kt.Config(16, 32, 16, 2, 1, 1, tma=False, epi_split=2),
-                kt.Config(16, 64, 16, 2, 1, 1, persistent=True, epi_split=4),
-                kt.Config(16, 32, 16, 2, 1, 1, persistent=True, epi_split=2, prefetch=True),
-                kt.Config(16, 32, 16, 2, 1, 1, prefetch=True)]
+                kt.Config(16, 64, 16, 2, 1, 1, persistent=True, epi_split=4)]
     return [None, kt.Config(64, 128, 64, 8, 4, 3, tma=False, epi_split=2),
-            kt.Config(128, 128, 64, 8, 8, 3, persistent=True, epi_split=4), kt.Config(128, 128, 64, 8, 8, 3),
-            kt.Config(128, 128, 64, 8, 8, 3, epi_split=2, prefetch=True),
-            kt.Config(128, 64, 64, 8, 4, 3, persistent=True, programs_per_sm=2, epi_split=2, prefetch=True)]
+            kt.Config(128, 128, 64, 8, 8, 3, persistent=True, epi_split=4), kt.Config(128, 128, 64, 8, 8, 3)]
 
 
 @pytest.mark.parametrize("approximate", APPROX)

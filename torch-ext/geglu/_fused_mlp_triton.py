@@ -283,48 +283,15 @@ def _dgeglu_part(dh_acc, off_m, off_n, g_ptr, u_ptr, h_ptr, M, N, stride_g, stri
 
 
 @triton.jit
-def _dgeglu_pre_part(dh_acc, g, u, off_m, off_n, g_ptr, u_ptr, h_ptr, M, N, stride_g, stride_u, stride_h,
-                     T: tl.constexpr, TANH: tl.constexpr, WRITE_H: tl.constexpr,
-                     BLOCK_M: tl.constexpr, PART_N: tl.constexpr,
-                     K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr,
-                     K_BETA_ERF: tl.constexpr, K_3KAPPA: tl.constexpr):
-    """`_dgeglu_part` on g, u values loaded before the main loop (PREFETCH): the same math, pointer stores."""
-    dh = _round(dh_acc, T).to(tl.float32)
-    rows = off_m + tl.arange(0, BLOCK_M)
-    cols = off_n + tl.arange(0, PART_N)
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
-    r64 = rows.to(tl.int64)[:, None]
-    x = g.to(tl.float32)
-    uf = u.to(tl.float32)
-    h = _round(_gelu(x, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA), T).to(tl.float32)
-    d_up = _round(dh * h, T)
-    d_hg = _round(dh * uf, T).to(tl.float32)
-    d_gate = _round(d_hg * _gelu_grad(x, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA), T)
-    tl.store(g_ptr + r64 * stride_g + cols[None, :], d_gate, mask=mask)
-    tl.store(u_ptr + r64 * stride_u + cols[None, :], d_up, mask=mask)
-    if WRITE_H:
-        tl.store(h_ptr + r64 * stride_h + cols[None, :], _round(h * uf, T), mask=mask)
-
-
-@triton.jit
 def _down_dgeglu_tile(dy_ptr, wd_ptr, g_ptr, u_ptr, h_ptr, M, N, K,
                       stride_dy, stride_wd, stride_g, stride_u, stride_h, pid_m, pid_n,
                       TANH: tl.constexpr, WRITE_H: tl.constexpr, TMA: tl.constexpr, DOT_F32: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EPI_SPLIT: tl.constexpr,
                       K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr,
-                      K_BETA_ERF: tl.constexpr, K_3KAPPA: tl.constexpr, PREFETCH: tl.constexpr):
+                      K_BETA_ERF: tl.constexpr, K_3KAPPA: tl.constexpr):
     off_m = pid_m * BLOCK_M
     off_n = pid_n * BLOCK_N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if PREFETCH:
-        # The epilogue's g, u tiles, loaded before the main loop (pointer loads: the registers fill while the
-        # GEMM runs, and nothing waits for them until the epilogue), instead of a load the epilogue waits for.
-        p_rows = off_m + tl.arange(0, BLOCK_M)
-        p_cols = off_n + tl.arange(0, BLOCK_N)
-        p_mask = (p_rows < M)[:, None] & (p_cols < N)[None, :]
-        p_r64 = p_rows.to(tl.int64)[:, None]
-        g_pre = tl.load(g_ptr + p_r64 * stride_g + p_cols[None, :], mask=p_mask, other=0.0)
-        u_pre = tl.load(u_ptr + p_r64 * stride_u + p_cols[None, :], mask=p_mask, other=0.0)
     if TMA:
         T = dy_ptr.dtype
     else:
@@ -349,23 +316,7 @@ def _down_dgeglu_tile(dy_ptr, wd_ptr, g_ptr, u_ptr, h_ptr, M, N, K,
         else:
             acc = tl.dot(a, b, acc)
     # The epilogue in EPI_SPLIT column slices: fewer live registers (the dGeGLU needs ~8 temporaries an element).
-    if PREFETCH:
-        if EPI_SPLIT == 1:
-            _dgeglu_pre_part(acc, g_pre, u_pre, off_m, off_n, g_ptr, u_ptr, h_ptr, M, N, stride_g, stride_u,
-                             stride_h, T, TANH, WRITE_H, BLOCK_M, BLOCK_N, K_BETA_TANH, K_KAPPA, K_ALPHA,
-                             K_BETA_ERF, K_3KAPPA)
-        else:
-            tl.static_assert(EPI_SPLIT == 2, "PREFETCH takes EPI_SPLIT 1 or 2")
-            a0, a1 = _halves(acc, BLOCK_M, BLOCK_N)
-            g0, g1 = _halves(g_pre, BLOCK_M, BLOCK_N)
-            u0, u1 = _halves(u_pre, BLOCK_M, BLOCK_N)
-            _dgeglu_pre_part(a0, g0, u0, off_m, off_n, g_ptr, u_ptr, h_ptr, M, N, stride_g, stride_u,
-                             stride_h, T, TANH, WRITE_H, BLOCK_M, BLOCK_N // 2, K_BETA_TANH, K_KAPPA, K_ALPHA,
-                             K_BETA_ERF, K_3KAPPA)
-            _dgeglu_pre_part(a1, g1, u1, off_m, off_n + BLOCK_N // 2, g_ptr, u_ptr, h_ptr, M, N, stride_g,
-                             stride_u, stride_h, T, TANH, WRITE_H, BLOCK_M, BLOCK_N // 2, K_BETA_TANH, K_KAPPA,
-                             K_ALPHA, K_BETA_ERF, K_3KAPPA)
-    elif EPI_SPLIT == 1:
+    if EPI_SPLIT == 1:
         _dgeglu_part(acc, off_m, off_n, g_ptr, u_ptr, h_ptr, M, N, stride_g, stride_u, stride_h, T, TANH,
                      WRITE_H, TMA, BLOCK_M, BLOCK_N, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA)
     elif EPI_SPLIT == 2:
@@ -399,7 +350,7 @@ def _down_dgeglu_kernel(dy_ptr, wd_ptr, g_ptr, u_ptr, h_ptr, M, N, K,
                         GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
                         WARP_SPECIALIZE: tl.constexpr, EPI_SPLIT: tl.constexpr,
                         K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr,
-                        K_BETA_ERF: tl.constexpr, K_3KAPPA: tl.constexpr, PREFETCH: tl.constexpr = False):
+                        K_BETA_ERF: tl.constexpr, K_3KAPPA: tl.constexpr):
     """[d_g | d_u] over [g | u] (and h = geglu(g, u) when WRITE_H) from d_h = dY @ Wd: dY [M, K=D], Wd [D, N=H]."""
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -409,14 +360,12 @@ def _down_dgeglu_kernel(dy_ptr, wd_ptr, g_ptr, u_ptr, h_ptr, M, N, K,
             pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
             _down_dgeglu_tile(dy_ptr, wd_ptr, g_ptr, u_ptr, h_ptr, M, N, K, stride_dy, stride_wd, stride_g,
                               stride_u, stride_h, pid_m, pid_n, TANH, WRITE_H, TMA, DOT_F32, BLOCK_M, BLOCK_N,
-                              BLOCK_K, EPI_SPLIT, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA,
-                              PREFETCH)
+                              BLOCK_K, EPI_SPLIT, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA)
     else:
         pid_m, pid_n = _tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
         _down_dgeglu_tile(dy_ptr, wd_ptr, g_ptr, u_ptr, h_ptr, M, N, K, stride_dy, stride_wd, stride_g,
                           stride_u, stride_h, pid_m, pid_n, TANH, WRITE_H, TMA, DOT_F32, BLOCK_M, BLOCK_N,
-                          BLOCK_K, EPI_SPLIT, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA,
-                          PREFETCH)
+                          BLOCK_K, EPI_SPLIT, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA)
 
 
 
@@ -441,7 +390,6 @@ class Config(NamedTuple):
     fast_epi: bool = False  # GeGLU of the fp32 accumulators with hardware approximations, rounded once
     pair: bool = False  # forward: one [2 * BLOCK_N, BLOCK_K] weight operand holding both weights' tiles, one dot
     #                     of N = 2 * BLOCK_N per K step (`paired_gate_up_geglu`), where the weights allow it
-    prefetch: bool = False  # backward: load the epilogue's g, u tiles (pointer loads) before the main loop
 
     def label(self) -> str:
         s = f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages} g{self.group_m}"
@@ -460,8 +408,6 @@ class Config(NamedTuple):
             s += " fast-epi"
         if self.pair:
             s += " pair"
-        if self.prefetch:
-            s += " prefetch"
         return s
 
 
@@ -515,23 +461,21 @@ EPILOGUE_SWEEP = [
 
 
 # Backward (dGeGLU in the epilogue of dY @ Wd): one accumulator, so the tile can be wider.
-BWD_LARGE = Config(128, 128, 64, 8, 8, 3, persistent=True, epi_split=4)
+BWD_LARGE = Config(128, 128, 64, 8, 4, 3, epi_split=4)  # one warpgroup, two programs an SM (see BWD_SWEEP)
 BWD_MEDIUM = Config(64, 128, 64, 8, 4, 4, epi_split=4)
 BWD_TUNED: dict = {}  # (M bucket, D, H, dtype, write_h) -> Config
-BWD_SWEEP = [  # measured at b19603d (benchmarks/results/h200/bwd-probe.txt), with the worse ones of that run dropped
+# Measured on the H200 (benchmarks/bwd_probe.py, benchmarks/results/h200/bwd-probe.txt, two runs, write_h=False;
+# % of cuBLAS's dY @ Wd alone, at 8192x2304x9216 / 8192x4096x14336): the single-program persistent tile made
+# 52 / 60 %; two programs an SM, so that one program's epilogue runs under the other's main loop, 70-75 / 77-80 %
+# (BWD_LARGE: 71.8-70.0 / 77.7-79.8 %). cuBLAS dY @ Wd + our pointwise dGeGLU is 79.5 / 86-89 % of it, so the fused
+# backward stays opt-in. Loading the epilogue's g, u before the main loop (pointer loads held in registers)
+# measured worse, 55-64 %, and was removed.
+BWD_SWEEP = [
+    Config(128, 128, 64, 8, 8, 3, persistent=True, epi_split=4),  # the default until this session
     BWD_LARGE,
     Config(128, 256, 64, 8, 8, 3, persistent=True, epi_split=4),
     Config(128, 128, 64, 8, 8, 3, epi_split=4, maxnreg=128),  # 138 registers uncapped: capped, two per SM
-    # Two programs per SM, so that one program's memory-bound epilogue runs under the other's main loop:
-    Config(128, 128, 64, 8, 4, 3, epi_split=4),
     Config(128, 128, 64, 8, 8, 3, persistent=True, programs_per_sm=2, epi_split=4, maxnreg=128),
-    # The epilogue's g, u loaded before the main loop, so the epilogue does not wait for memory (offline, sm_90a:
-    # 201-255 registers; the 128x64 tiles fit twice on an SM):
-    Config(128, 128, 64, 8, 8, 3, epi_split=2, prefetch=True),
-    Config(128, 128, 64, 8, 8, 3, persistent=True, epi_split=2, prefetch=True),
-    Config(128, 64, 64, 8, 4, 3, epi_split=2, prefetch=True),
-    Config(128, 64, 64, 8, 4, 3, persistent=True, programs_per_sm=2, epi_split=2, prefetch=True),
-    Config(128, 64, 64, 8, 4, 4, persistent=True, programs_per_sm=2, epi_split=2, prefetch=True),
 ]
 
 
@@ -758,15 +702,12 @@ def down_dgeglu_into(dy: torch.Tensor, w_down: torch.Tensor, g_view: torch.Tenso
     cfg = config or choose_bwd_config(M, K, N, dy.dtype, write_h)
     h_arg = h if write_h else g_view
     tensors = (dy, w_down, g_view, u_view, h_arg)
-    use_tma = cfg.tma and tma_supported(dy.device) and all(_aligned(t) for t in (tensors[:2] if cfg.prefetch else
-                                                                                   tensors))
+    use_tma = cfg.tma and tma_supported(dy.device) and all(_aligned(t) for t in tensors)
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     pn = bn // cfg.epi_split  # the epilogue's column slice
     if use_tma:
-        blocks = ((dy, [bm, bk]), (w_down, [bk, bn]), (g_view, [bm, pn]), (u_view, [bm, pn]), (h_arg, [bm, pn]))
-        # with prefetch, g, u and h stay pointers (the epilogue's loads and stores are pointer accesses)
-        args = [TensorDescriptor(t, list(t.shape), list(t.stride()), blk) if i < 2 or not cfg.prefetch else t
-                for i, (t, blk) in enumerate(blocks)]
+        args = [TensorDescriptor(t, list(t.shape), list(t.stride()), blk) for t, blk in
+                ((dy, [bm, bk]), (w_down, [bk, bn]), (g_view, [bm, pn]), (u_view, [bm, pn]), (h_arg, [bm, pn]))]
     else:
         args = list(tensors)
     global last_compiled
@@ -779,7 +720,7 @@ def down_dgeglu_into(dy: torch.Tensor, w_down: torch.Tensor, g_view: torch.Tenso
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
             PERSISTENT=cfg.persistent, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
             K_BETA_TANH=K_BETA_TANH, K_KAPPA=K_KAPPA, K_ALPHA=K_ALPHA, K_BETA_ERF=K_BETA_ERF, K_3KAPPA=K_3KAPPA,
-            PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
             **_maxnreg(cfg),
         )
     return h

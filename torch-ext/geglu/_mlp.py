@@ -32,11 +32,15 @@ from torch import Tensor
 from . import _backend
 from . import _custom_ops as _pw
 
-# The fused kernels in the training step (off by default: these runs are eager's bits). FUSED_FORWARD: the gate/up
-# GEMM with the GeGLU in its epilogue, writing g, u and h (`_fused_mlp_triton.gate_up_geglu`, TRAIN_FWD_CONFIG).
-# FUSED_BACKWARD: dY @ Wd with the dGeGLU in its epilogue, writing d_g, d_u over g, u (`down_dgeglu_into`,
-# TRAIN_BWD_CONFIG), so d_h never reaches memory. Either applies only to fp16/bf16 CUDA steps the Triton kernels
-# take (sm_90+ with TMA, more than DECODE_MAX_M rows; or the Triton interpreter in tests).
+# The fused kernels in the training step, opt-in. FUSED_FORWARD: the gate/up GEMM with the GeGLU in its epilogue,
+# writing g, u and h (`_fused_mlp_triton.gate_up_geglu`, TRAIN_FWD_CONFIG). FUSED_BACKWARD: dY @ Wd with the dGeGLU
+# in its epilogue, writing d_g, d_u over g, u (`down_dgeglu_into`, TRAIN_BWD_CONFIG), so d_h never reaches memory.
+# Either applies only to fp16/bf16 CUDA steps the Triton kernels take (sm_90+ with TMA, more than DECODE_MAX_M rows;
+# or the Triton interpreter in tests), and neither is eager's bits (error against fp32 no worse than eager's:
+# tests/kernel/test_fused_mlp.py). Off by default because the whole step is not faster with them on the H200
+# (benchmarks/bwd_probe.py, benchmarks/results/h200/bwd-probe.txt): the fused forward alone is 1.5-7 % faster than
+# cuBLAS + our GeGLU, but the step gains 0.2 % at most; the fused backward is 70-80 % of cuBLAS's dY @ Wd, slower
+# than cuBLAS + our dGeGLU (79.5-89 %), and the step with it 0.7-3 % slower.
 FUSED_FORWARD = False
 FUSED_BACKWARD = False
 TRAIN_FWD_CONFIG = None  # None: the kernel module's choice for the shape
