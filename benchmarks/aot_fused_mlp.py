@@ -29,12 +29,14 @@ def main(argv=None) -> int:
     ap.add_argument("--triton-path", default=None, help="folder holding the triton package to compile with")
     ap.add_argument("--shape", default="8192x4096x14336", help="MxDxH (only divisibility matters)")
     ap.add_argument("--config", default=None, help="only the config with this label")
-    ap.add_argument("--kernel", default="all", choices=["fwd", "bwd", "paired", "all"],
+    ap.add_argument("--kernel", default="all", choices=["fwd", "bwd", "paired", "ws-bwd", "all"],
                     help="fwd: gate/up GEMM + GeGLU (two dots); paired: the same with one dot over both weights; "
-                         "bwd: dY @ Wd + dGeGLU (+ h)")
+                         "bwd: dY @ Wd + dGeGLU (+ h); ws-bwd: the same as a warp-specialised Gluon kernel "
+                         "(_gluon_bwd.py)")
     ap.add_argument("--save", action="store_true", help="also the training variant (writes [g|u]; bwd: also h)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--approximate", default="tanh", choices=["tanh", "none"])
+    ap.add_argument("--verbose", action="store_true", help="print compile errors in full")
     ap.add_argument("--out", type=Path, default=None, help="keep PTX / SASS here")
     args = ap.parse_args(argv)
     if args.triton_path:
@@ -135,7 +137,26 @@ def main(argv=None) -> int:
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, **kt._maxnreg(cfg),
             grid=(1,))
 
+    def compile_ws_bwd(cfg, _flag):
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+        gb = importlib.import_module(mod.__name__ + "._gluon_bwd")
+        bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+        gt = gl.bfloat16 if bf == torch.bfloat16 else gl.float16
+        g_, u_ = gu[:, :H], gu[:, H:]
+        dy_d = GluonDescriptor.from_tensor(dy, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], gt))
+        wd_d = GluonDescriptor.from_tensor(wd, [bk, bn], gl.NVMMASharedLayout.get_default_for([bk, bn], gt))
+        return gb._down_dgeglu_ws_kernel.warmup(
+            dy_d, wd_d, g_, u_, M, H, D, g_.stride(0), u_.stride(0), TANH=args.approximate == "tanh",
+            STAGES=cfg.num_stages, GROUP_M=cfg.group_m, CHUNK=32, CONSUMER_REGS=232, PRODUCER_REGS=40,
+            K_BETA_TANH=kt.K_BETA_TANH, K_KAPPA=kt.K_KAPPA, K_ALPHA=kt.K_ALPHA, K_BETA_ERF=kt.K_BETA_ERF,
+            K_3KAPPA=kt.K_3KAPPA, num_warps=4, enable_fp_fusion=False, grid=(1,))
+
     jobs = []
+    if args.kernel == "ws-bwd":
+        for cfg in (kt.Config(128, 128, 64, 8, 4, 4), kt.Config(128, 128, 64, 8, 4, 3)):
+            jobs.append((f"ws-bwd dgeglu {cfg.label()}", cfg, compile_ws_bwd, False))
     if args.kernel in ("paired", "all"):
         for save in ((False, True) if args.save else (False,)):
             for cfg in dict.fromkeys(kt.PAIRED_SWEEP):
@@ -159,6 +180,11 @@ def main(argv=None) -> int:
         except Exception as e:
             msg = str(e).strip().splitlines()
             print(f"{label:<56} FAILED {type(e).__name__}: {msg[-1][:160] if msg else ''}")
+            if args.verbose:
+                cause = e
+                while cause is not None:
+                    print(f"--- {type(cause).__name__}: {cause}")
+                    cause = cause.__cause__ or cause.__context__
             bad += 1
             continue
         tag = re.sub(r"[^A-Za-z0-9]+", "_", label)

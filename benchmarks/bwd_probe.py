@@ -106,9 +106,6 @@ def _shape(args, shape, kt, pw, mlp):
         ok_configs.append(cfg)
         print(f"  fused bwd {cfg.label():<44} {_rel(g, ref_dg):.3e} {_rel(u, ref_du):.3e}  regs "
               f"{getattr(kt.last_compiled, 'n_regs', '-')} spills {getattr(kt.last_compiled, 'n_spills', '-')}", flush=True)
-    del dh32, h32, ref_du, ref_dg, gg, dh_c
-    torch.cuda.empty_cache()
-
     cands = {
         "bwd: cuBLAS d_h = mm(dy, Wd)": (lambda: torch.mm(dy, wd, out=dh), unit),
         "bwd: pointwise dGeGLU alone": (lambda: pw._backward_into(dg_buf, du_buf, dh, g0, u0, "tanh"), 0),
@@ -119,6 +116,21 @@ def _shape(args, shape, kt, pw, mlp):
         cands[f"bwd: fused {cfg.label()}"] = (
             lambda cfg=cfg: kt.down_dgeglu_into(dy, wd, g, u, True, False, cfg), unit)
     cands["bwd: fused default, + h (write_h)"] = (lambda: kt.down_dgeglu_into(dy, wd, g, u, True, True), unit)
+    ws = _ws_module(kt)
+    if ws is not None:
+        # the warp-specialised Gluon kernel (_gluon_bwd.py): bits against the Triton kernel, error against fp32
+        restore()
+        kt.down_dgeglu_into(dy, wd, g, u, True, False)
+        tg, tu = g.clone(), u.clone()
+        for st in (3, 4):
+            restore()
+            k = ws.down_dgeglu_ws(dy, wd, g, u, True, stages=st)
+            print(f"  ws bwd (Gluon) stages={st}: max |ws - triton| d_g {(g.float() - tg.float()).abs().max().item():.3e} "
+                  f"d_u {(u.float() - tu.float()).abs().max().item():.3e}; rel err vs fp32 {_rel(g, ref_dg):.3e} "
+                  f"{_rel(u, ref_du):.3e}; regs {k.n_regs} spills {k.n_spills}", flush=True)
+            cands[f"bwd: ws (Gluon) 128x128x64 stages={st}"] = (
+                lambda st=st: ws.down_dgeglu_ws(dy, wd, g, u, True, stages=st), unit)
+        del tg, tu
     cands["fwd: cuBLAS g, u + pointwise GeGLU"] = (
         lambda: (torch.mm(x, wg.t(), out=dg_buf), torch.mm(x, wu.t(), out=du_buf),
                  pw._forward_into(h_buf, dg_buf, du_buf, "tanh", True)), 2 * unit)
@@ -126,6 +138,8 @@ def _shape(args, shape, kt, pw, mlp):
         cands[f"fwd: fused save g,u,h {cfg.label()}"] = (
             lambda cfg=cfg: kt.gate_up_geglu(x, wg, wu, True, True, config=cfg), 2 * unit)
 
+    del dh32, h32, ref_du, ref_dg, gg, dh_c
+    torch.cuda.empty_cache()
     times = _rounds(args, cands, restore)
     base_b = _median(times["bwd: cuBLAS d_h = mm(dy, Wd)"])
     base_f = _median(times["fwd: cuBLAS g, u + pointwise GeGLU"])
@@ -163,6 +177,16 @@ def _shape(args, shape, kt, pw, mlp):
     combos = [(False, False), (False, True), (True, False), (True, True)]
     for fwd, bwd in combos:
         cands[f"step: node fused fwd={int(fwd)} bwd={int(bwd)}"] = (step(fwd, bwd), 9 * unit)
+    if ws is not None:
+        def ws_step():
+            real = kt.down_dgeglu_into
+            kt.down_dgeglu_into = lambda dy_, wd_, g_, u_, tanh, write_h, config=None: ws.down_dgeglu_ws(
+                dy_, wd_, g_, u_, tanh)
+            try:
+                return step(False, True)()
+            finally:
+                kt.down_dgeglu_into = real
+        cands["step: node, backward = ws (Gluon)"] = (ws_step, 9 * unit)
     cands["step: eager"] = (eager_step, 9 * unit)
 
     ref = [t.float().requires_grad_() for t in leaves]
@@ -170,7 +194,7 @@ def _shape(args, shape, kt, pw, mlp):
     grads32 = torch.autograd.grad(y32, ref, dy.float())
     del y32, ref
     names = ["dx", "dWg", "dWu", "dWd"]
-    for label in [f"step: node fused fwd={int(f)} bwd={int(b)}" for f, b in combos] + ["step: eager"]:
+    for label in [k for k in cands if k.startswith("step")]:
         grads = cands[label][0]()
         print(f"  {label:<44} rel err " + " ".join(f"{n} {_rel(a, r):.3e}" for n, a, r in
                                                     zip(names, grads, grads32)), flush=True)
@@ -185,6 +209,17 @@ def _shape(args, shape, kt, pw, mlp):
         t = _median(times[k])
         _row(k, t, times[k], flops, f"{t / base_s:6.3f} of eager")
     mlp.TRAIN_BWD_CONFIG = mlp.TRAIN_FWD_CONFIG = None
+
+
+def _ws_module(kt):
+    """The Gluon warp-specialised backward (_gluon_bwd.py) where this Triton has Gluon and the GPU is sm_90."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        return None
+    try:
+        return importlib.import_module(kt.__name__.rsplit(".", 1)[0] + "._gluon_bwd")
+    except ImportError as e:
+        print(f"  no Gluon backward: {e}")
+        return None
 
 
 def _rounds(args, cands, restore, rep_ms=100):

@@ -1,0 +1,158 @@
+"""Experimental (issue 7): the fused backward step d_h = dY @ Wd with the dGeGLU in its epilogue, as a Gluon kernel
+with warp specialisation for Hopper, so that the epilogue is not serialised with the GEMM.
+
+The Triton kernel (`_fused_mlp_triton._down_dgeglu_kernel`) runs its epilogue between two tiles' main loops: the
+tensor cores idle while it loads g, u, computes the dGeGLU and stores d_g, d_u; at 8192x2304x9216 that costs it a
+quarter of its time (70-80 % of cuBLAS's dY @ Wd). Here one producer warp issues every TMA load of the program's
+tiles into a ring of shared-memory stages, and two consumer warpgroups take alternate tiles ("ping-pong"): while one
+runs its tile's epilogue, the other's wgmma main loop keeps the tensor cores busy. The epilogue stages d_h (rounded to
+the storage dtype, as eager's GEMM stores it) in shared memory and walks it in row chunks with coalesced loads and
+stores, so the accumulator's registers are free for it.
+
+Not used by default: `down_dgeglu_ws` is what `benchmarks/bwd_probe.py` times against the Triton kernel and cuBLAS.
+Needs Triton's Gluon (triton >= 3.5) and sm_90; imported lazily.
+"""
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ._triton import K_3KAPPA, K_ALPHA, K_BETA_ERF, K_BETA_TANH, K_KAPPA, _gelu, _gelu_grad, _round
+
+
+@gluon.jit
+def _coords(tile_id, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
+    group = GROUP_M * num_pid_n
+    first_m = (tile_id // group) * GROUP_M
+    size_m = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile_id % group) % size_m
+    pid_n = (tile_id % group) // size_m
+    return pid_m, pid_n
+
+
+@gluon.jit
+def _producer(dy_desc, wd_desc, a_bufs, b_bufs, ready, empty, M, N, K,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+              GROUP_M: gl.constexpr):
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    k_tiles = gl.cdiv(K, BLOCK_K)
+    c = 0
+    for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+        pid_m, pid_n = _coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        for kk in range(k_tiles):
+            s = c % STAGES
+            mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1 at once
+            mbarrier.expect(ready.index(s), dy_desc.block_type.nbytes + wd_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(dy_desc, [off_m, kk * BLOCK_K], ready.index(s), a_bufs.index(s))
+            tma.async_copy_global_to_shared(wd_desc, [kk * BLOCK_K, off_n], ready.index(s), b_bufs.index(s))
+            c += 1
+
+
+@gluon.jit
+def _consumer(a_bufs, b_bufs, ready, empty, dh_bufs, g_ptr, u_ptr, M, N, K, stride_g, stride_u,
+              WG: gl.constexpr, TANH: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, CHUNK: gl.constexpr,
+              K_BETA_TANH: gl.constexpr, K_KAPPA: gl.constexpr, K_ALPHA: gl.constexpr,
+              K_BETA_ERF: gl.constexpr, K_3KAPPA: gl.constexpr):
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    epi_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    T: gl.constexpr = a_bufs.dtype
+    dh_smem = dh_bufs.index(WG)
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    k_tiles = gl.cdiv(K, BLOCK_K)
+    nprog = gl.num_programs(0)
+    c = WG * k_tiles  # this warpgroup's place in the producer's sequence of stages
+    for tile_id in range(gl.program_id(0) + WG * nprog, num_pid_m * num_pid_n, 2 * nprog):
+        pid_m, pid_n = _coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
+        for kk in range(k_tiles):
+            s = c % STAGES
+            mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+            acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, is_async=True)
+            acc = warpgroup_mma_wait(1, deps=(acc, ))
+            # the wgmma of the previous stage has finished: give that stage back to the producer
+            mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), pred=kk > 0)
+            c += 1
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES))
+        c += k_tiles  # the other warpgroup's tile
+        # Epilogue: d_h as eager's GEMM stores it, staged in shared memory, then walked in row chunks.
+        dh_smem.store(acc.to(T))
+        for r in gl.static_range(0, BLOCK_M, CHUNK):
+            dh = dh_smem.slice(r, CHUNK, dim=0).load(epi_layout).to(gl.float32)
+            rows = pid_m * BLOCK_M + r + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, epi_layout))
+            cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, epi_layout))
+            mask = gl.expand_dims(rows < M, 1) & gl.expand_dims(cols < N, 0)
+            r64 = gl.expand_dims(rows.to(gl.int64), 1)
+            c2 = gl.expand_dims(cols, 0)
+            g_ptrs = g_ptr + r64 * stride_g + c2
+            u_ptrs = u_ptr + r64 * stride_u + c2
+            x = gl.load(g_ptrs, mask=mask, other=0.0).to(gl.float32)
+            uf = gl.load(u_ptrs, mask=mask, other=0.0).to(gl.float32)
+            h = _round(_gelu(x, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA), T).to(gl.float32)
+            d_up = _round(dh * h, T)
+            d_hg = _round(dh * uf, T).to(gl.float32)
+            d_gate = _round(d_hg * _gelu_grad(x, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA), T)
+            gl.store(g_ptrs, d_gate, mask=mask)
+            gl.store(u_ptrs, d_up, mask=mask)
+
+
+@gluon.jit
+def _down_dgeglu_ws_kernel(dy_desc, wd_desc, g_ptr, u_ptr, M, N, K, stride_g, stride_u,
+                           TANH: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, CHUNK: gl.constexpr,
+                           CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                           K_BETA_TANH: gl.constexpr, K_KAPPA: gl.constexpr, K_ALPHA: gl.constexpr,
+                           K_BETA_ERF: gl.constexpr, K_3KAPPA: gl.constexpr):
+    BLOCK_M: gl.constexpr = dy_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = dy_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = wd_desc.block_type.shape[1]
+    T: gl.constexpr = dy_desc.dtype
+    a_bufs = gl.allocate_shared_memory(T, [STAGES, BLOCK_M, BLOCK_K], dy_desc.layout)
+    b_bufs = gl.allocate_shared_memory(T, [STAGES, BLOCK_K, BLOCK_N], wd_desc.layout)
+    dh_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], T)
+    dh_bufs = gl.allocate_shared_memory(T, [2, BLOCK_M, BLOCK_N], dh_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    gl.warp_specialize([
+        (_consumer, (a_bufs, b_bufs, ready, empty, dh_bufs, g_ptr, u_ptr, M, N, K, stride_g, stride_u, 0, TANH,
+                     BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, CHUNK, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF,
+                     K_3KAPPA)),
+        (_consumer, (a_bufs, b_bufs, ready, empty, dh_bufs, g_ptr, u_ptr, M, N, K, stride_g, stride_u, 1, TANH,
+                     BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, CHUNK, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF,
+                     K_3KAPPA)),
+        (_producer, (dy_desc, wd_desc, a_bufs, b_bufs, ready, empty, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+                     GROUP_M)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def down_dgeglu_ws(dy: torch.Tensor, w_down: torch.Tensor, g: torch.Tensor, u: torch.Tensor, tanh: bool,
+                   block_m: int = 128, block_n: int = 128, block_k: int = 64, stages: int = 4, group_m: int = 8,
+                   chunk: int = 32, consumer_regs: int = 232, producer_regs: int = 40, num_sms: int = 0):
+    """In place: g, u [M, H] become d_g, d_u for d_h = dy @ w_down (dy [M, D], w_down [D, H]; fp16/bf16, unit
+    last-dim strides, 16-byte aligned rows). Returns the compiled kernel."""
+    M, K = dy.shape
+    N = w_down.shape[1]
+    gt = gl.bfloat16 if dy.dtype == torch.bfloat16 else gl.float16
+    a_layout = gl.NVMMASharedLayout.get_default_for([block_m, block_k], gt)
+    b_layout = gl.NVMMASharedLayout.get_default_for([block_k, block_n], gt)
+    dy_desc = TensorDescriptor.from_tensor(dy, [block_m, block_k], a_layout)
+    wd_desc = TensorDescriptor.from_tensor(w_down, [block_k, block_n], b_layout)
+    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    sms = num_sms or torch.cuda.get_device_properties(dy.device).multi_processor_count
+    grid = (min(sms, tiles), )
+    return _down_dgeglu_ws_kernel[grid](
+        dy_desc, wd_desc, g, u, M, N, K, g.stride(0), u.stride(0), TANH=tanh, STAGES=stages, GROUP_M=group_m,
+        CHUNK=chunk, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, K_BETA_TANH=K_BETA_TANH,
+        K_KAPPA=K_KAPPA, K_ALPHA=K_ALPHA, K_BETA_ERF=K_BETA_ERF, K_3KAPPA=K_3KAPPA, num_warps=4,
+        enable_fp_fusion=False)  # eager's bits: FMAs only where written (_triton.py)
