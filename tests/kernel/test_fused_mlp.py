@@ -429,11 +429,12 @@ def test_gpu_real_shapes_vs_fp32_reference(geglu, fm, M, D, H, approximate, fuse
 @pytest.mark.gpu
 @pytest.mark.parametrize("approximate", APPROX)
 @pytest.mark.parametrize("dtype", LOW_DTYPES)
-@pytest.mark.parametrize("M,D,H", [(1000, 320, 1000), (4096, 2304, 9216)])
+@pytest.mark.parametrize("M,D,H", [(1000, 320, 1000), (1000, 320, 4000), (4096, 2304, 9216)])
 def test_gpu_warp_specialised_backward_equals_pointwise(geglu, kt, M, D, H, dtype, approximate):
     """The experimental Gluon kernel (_gluon_bwd.py: a TMA producer warp and two consumer warpgroups taking
     alternate tiles): d_g, d_u written over g, u equal our pointwise backward of the same d_h bit for bit (d_h exact
-    by construction), at ragged and at benchmark sizes, for 3 and 4 stages."""
+    by construction), at ragged sizes (one tile a program, then two: both warpgroups) and at a benchmark size, for 3
+    and 4 stages."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon backward is written for sm_90 (wgmma, TMA)")
     ws = importlib.import_module(geglu.__name__ + "._gluon_bwd")

@@ -55,7 +55,7 @@ def _producer(dy_desc, wd_desc, a_bufs, b_bufs, ready, empty, M, N, K,
 
 
 @gluon.jit
-def _consumer(a_bufs, b_bufs, ready, empty, dh_bufs, g_ptr, u_ptr, M, N, K, stride_g, stride_u,
+def _consumer(a_bufs, b_bufs, ready, empty, order, dh_bufs, g_ptr, u_ptr, M, N, K, stride_g, stride_u,
               WG: gl.constexpr, TANH: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, CHUNK: gl.constexpr,
               K_BETA_TANH: gl.constexpr, K_KAPPA: gl.constexpr, K_ALPHA: gl.constexpr,
@@ -70,8 +70,14 @@ def _consumer(a_bufs, b_bufs, ready, empty, dh_bufs, g_ptr, u_ptr, M, N, K, stri
     k_tiles = gl.cdiv(K, BLOCK_K)
     nprog = gl.num_programs(0)
     c = WG * k_tiles  # this warpgroup's place in the producer's sequence of stages
+    j = 0  # this warpgroup's tile count; the program's tile sequence index is t = 2 j + WG
     for tile_id in range(gl.program_id(0) + WG * nprog, num_pid_m * num_pid_n, 2 * nprog):
         pid_m, pid_n = _coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        # Main loops in tile order: wait until the other warpgroup has taken every stage of the tile before this
+        # one. A stage's `ready` barrier is then at most one phase behind this wait, which its parity needs (a
+        # warpgroup starting tiles ahead would see an older phase of the same parity and read a stale stage).
+        prev = j - 1 + WG  # the other warpgroup's count at tile t - 1
+        mbarrier.wait(order.index(1 - WG), prev & 1, pred=(2 * j + WG) > 0)
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
         for kk in range(k_tiles):
             s = c % STAGES
@@ -81,9 +87,11 @@ def _consumer(a_bufs, b_bufs, ready, empty, dh_bufs, g_ptr, u_ptr, M, N, K, stri
             # the wgmma of the previous stage has finished: give that stage back to the producer
             mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), pred=kk > 0)
             c += 1
+        mbarrier.arrive(order.index(WG))  # every stage of this tile taken: the other warpgroup's tile may start
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES))
         c += k_tiles  # the other warpgroup's tile
+        j += 1
         # Epilogue: d_h as eager's GEMM stores it, staged in shared memory, then walked in row chunks.
         dh_smem.store(acc.to(T))
         for r in gl.static_range(0, BLOCK_M, CHUNK):
@@ -121,14 +129,17 @@ def _down_dgeglu_ws_kernel(dy_desc, wd_desc, g_ptr, u_ptr, M, N, K, stride_g, st
     dh_bufs = gl.allocate_shared_memory(T, [2, BLOCK_M, BLOCK_N], dh_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(order.index(i), count=1)
     gl.warp_specialize([
-        (_consumer, (a_bufs, b_bufs, ready, empty, dh_bufs, g_ptr, u_ptr, M, N, K, stride_g, stride_u, 0, TANH,
+        (_consumer, (a_bufs, b_bufs, ready, empty, order, dh_bufs, g_ptr, u_ptr, M, N, K, stride_g, stride_u, 0, TANH,
                      BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, CHUNK, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF,
                      K_3KAPPA)),
-        (_consumer, (a_bufs, b_bufs, ready, empty, dh_bufs, g_ptr, u_ptr, M, N, K, stride_g, stride_u, 1, TANH,
+        (_consumer, (a_bufs, b_bufs, ready, empty, order, dh_bufs, g_ptr, u_ptr, M, N, K, stride_g, stride_u, 1, TANH,
                      BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, CHUNK, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF,
                      K_3KAPPA)),
         (_producer, (dy_desc, wd_desc, a_bufs, b_bufs, ready, empty, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
