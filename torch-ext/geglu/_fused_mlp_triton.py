@@ -464,11 +464,11 @@ EPILOGUE_SWEEP = [
 BWD_LARGE = Config(128, 128, 64, 8, 4, 3, epi_split=4)  # one warpgroup, two programs an SM (see BWD_SWEEP)
 BWD_MEDIUM = Config(64, 128, 64, 8, 4, 4, epi_split=4)
 BWD_TUNED: dict = {}  # (M bucket, D, H, dtype, write_h) -> Config
-# Measured on the H200 (benchmarks/bwd_probe.py, benchmarks/results/h200/bwd-probe.txt, two runs, write_h=False;
+# Measured on the H200 (benchmarks/bwd_probe.py, benchmarks/results/h200/bwd-probe.txt, four runs, write_h=False;
 # % of cuBLAS's dY @ Wd alone, at 8192x2304x9216 / 8192x4096x14336): the single-program persistent tile made
-# 52 / 60 %; two programs an SM, so that one program's epilogue runs under the other's main loop, 70-75 / 77-80 %
-# (BWD_LARGE: 71.8-70.0 / 77.7-79.8 %). cuBLAS dY @ Wd + our pointwise dGeGLU is 79.5 / 86-89 % of it, so the fused
-# backward stays opt-in. Loading the epilogue's g, u before the main loop (pointer loads held in registers)
+# 51-54 / 60-64 %; two programs an SM, so that one program's epilogue runs under the other's main loop, 69-75 /
+# 77-82 % (BWD_LARGE: 69.7-71.9 / 77.0-81.5 %). cuBLAS dY @ Wd + our pointwise dGeGLU is 71.5-79.5 / 82.0-88.6 %, so
+# the fused backward stays opt-in. Loading the epilogue's g, u before the main loop (pointer loads held in registers)
 # measured worse, 55-64 %, and was removed.
 BWD_SWEEP = [
     Config(128, 128, 64, 8, 8, 3, persistent=True, epi_split=4),  # the default until this session

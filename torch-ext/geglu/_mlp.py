@@ -38,9 +38,9 @@ from . import _custom_ops as _pw
 # Either applies only to fp16/bf16 CUDA steps the Triton kernels take (sm_90+ with TMA, more than DECODE_MAX_M rows;
 # or the Triton interpreter in tests), and neither is eager's bits (error against fp32 no worse than eager's:
 # tests/kernel/test_fused_mlp.py). Off by default because the whole step is not faster with them on the H200
-# (benchmarks/bwd_probe.py, benchmarks/results/h200/bwd-probe.txt): the fused forward alone is 1.5-7 % faster than
-# cuBLAS + our GeGLU, but the step gains 0.2 % at most; the fused backward is 70-80 % of cuBLAS's dY @ Wd, slower
-# than cuBLAS + our dGeGLU (79.5-89 %), and the step with it 0.7-3 % slower.
+# (benchmarks/bwd_probe.py, benchmarks/results/h200/bwd-probe.txt, four runs): the fused forward alone is up to
+# 8.7 % faster than cuBLAS + our GeGLU, but the step moves by -0.6 to +0.4 %; the fused backward is 69.7-81.5 % of
+# cuBLAS's dY @ Wd, slower than cuBLAS + our dGeGLU (71.5-88.6 %), and the step with it 0.5-5 % slower.
 FUSED_FORWARD = False
 FUSED_BACKWARD = False
 TRAIN_FWD_CONFIG = None  # None: the kernel module's choice for the shape
