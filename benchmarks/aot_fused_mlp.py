@@ -137,7 +137,7 @@ def main(argv=None) -> int:
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, **kt._maxnreg(cfg),
             grid=(1,))
 
-    def compile_ws_bwd(cfg, epilogue):
+    def compile_ws_bwd(cfg, epi_mode):
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
@@ -151,14 +151,15 @@ def main(argv=None) -> int:
             dy_d, wd_d, g_, u_, M, H, D, g_.stride(0), u_.stride(0), TANH=args.approximate == "tanh",
             STAGES=cfg.num_stages, GROUP_M=cfg.group_m, CHUNK=32, CONSUMER_REGS=232, PRODUCER_REGS=40,
             K_BETA_TANH=kt.K_BETA_TANH, K_KAPPA=kt.K_KAPPA, K_ALPHA=kt.K_ALPHA, K_BETA_ERF=kt.K_BETA_ERF,
-            K_3KAPPA=kt.K_3KAPPA, EPILOGUE=epilogue, num_warps=4, enable_fp_fusion=False, grid=(1,))
+            K_3KAPPA=kt.K_3KAPPA, EPI_MODE=epi_mode, num_warps=4, enable_fp_fusion=False, grid=(1,))
 
     jobs = []
     if args.kernel == "ws-bwd":
         for cfg in (kt.Config(128, 128, 64, 8, 4, 4), kt.Config(128, 128, 64, 8, 4, 3)):
-            jobs.append((f"ws-bwd dgeglu {cfg.label()}", cfg, compile_ws_bwd, True))
-        jobs.append(("ws-bwd no epilogue (diagnostics) 128x128x64 s4", kt.Config(128, 128, 64, 8, 4, 4),
-                     compile_ws_bwd, False))
+            jobs.append((f"ws-bwd dgeglu {cfg.label()}", cfg, compile_ws_bwd, 1))
+        for mode in (0, 2, 3):
+            jobs.append((f"ws-bwd epi_mode {mode} (diagnostics) 128x128x64 s4", kt.Config(128, 128, 64, 8, 4, 4),
+                         compile_ws_bwd, mode))
     if args.kernel in ("paired", "all"):
         for save in ((False, True) if args.save else (False,)):
             for cfg in dict.fromkeys(kt.PAIRED_SWEEP):

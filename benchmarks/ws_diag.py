@@ -77,8 +77,13 @@ def main():
             "Triton GEMM 128x128x64 w4 s4": lambda: plain_gemm(dy, wd, dh, 128, 128, 64, 4, 4),
             "Triton GEMM 128x128x64 w8 s4": lambda: plain_gemm(dy, wd, dh, 128, 128, 64, 8, 4),
             "Triton GEMM 128x256x64 w8 s3": lambda: plain_gemm(dy, wd, dh, 128, 256, 64, 8, 3),
-            "Gluon ws, no epilogue, 4 stages": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, stages=4,
-                                                                         epilogue=False),
+            "Gluon ws, no epilogue, 4 stages": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, stages=4, epi_mode=0),
+            "Gluon ws, epilogue loads/stores only": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, stages=4,
+                                                                              epi_mode=2),
+            "Gluon ws, epilogue math only (no loads)": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, stages=4,
+                                                                                 epi_mode=3),
+            "Gluon ws, full, CHUNK 16": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, stages=4, chunk=16),
+            "Gluon ws, full, CHUNK 64": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, stages=4, chunk=64),
             "Gluon ws, full, 4 stages": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, stages=4),
             "Gluon ws, full, 4 stages, GROUP_M 16": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, stages=4,
                                                                               group_m=16),
@@ -88,6 +93,16 @@ def main():
             g.copy_(g0), u.copy_(u0)
             fn()
         torch.cuda.synchronize()
+        # the real epilogue (any CHUNK) gives the Triton kernel's bits
+        g.copy_(g0), u.copy_(u0)
+        kt.down_dgeglu_into(dy, wd, g, u, True, False)
+        ref = g.clone(), u.clone()
+        for chunk in (16, 32, 64):
+            g.copy_(g0), u.copy_(u0)
+            ws.down_dgeglu_ws(dy, wd, g, u, True, stages=4, chunk=chunk)
+            print(f"{shape}: Gluon ws CHUNK {chunk} equals the Triton fused backward: "
+                  f"{torch.equal(g, ref[0]) and torch.equal(u, ref[1])}", flush=True)
+        del ref
         if args.once:
             for k, fn in cands.items():
                 g.copy_(g0), u.copy_(u0)

@@ -59,7 +59,7 @@ def _consumer(a_bufs, b_bufs, ready, empty, order, dh_bufs, g_ptr, u_ptr, M, N, 
               WG: gl.constexpr, TANH: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, CHUNK: gl.constexpr,
               K_BETA_TANH: gl.constexpr, K_KAPPA: gl.constexpr, K_ALPHA: gl.constexpr,
-              K_BETA_ERF: gl.constexpr, K_3KAPPA: gl.constexpr, EPILOGUE: gl.constexpr):
+              K_BETA_ERF: gl.constexpr, K_3KAPPA: gl.constexpr, EPI_MODE: gl.constexpr):
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
     epi_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -94,7 +94,9 @@ def _consumer(a_bufs, b_bufs, ready, empty, order, dh_bufs, g_ptr, u_ptr, M, N, 
         j += 1
         # Epilogue: d_h as eager's GEMM stores it, staged in shared memory, then walked in row chunks.
         dh_smem.store(acc.to(T))
-        for r in gl.static_range(0, BLOCK_M if EPILOGUE else 0, CHUNK):  # EPILOGUE=False: diagnostics only
+        # EPI_MODE (diagnostics; 1 is the real epilogue): 0 none, 2 loads and stores with a product for math,
+        # 3 the math without the g, u loads
+        for r in gl.static_range(0, BLOCK_M if EPI_MODE != 0 else 0, CHUNK):
             dh = dh_smem.slice(r, CHUNK, dim=0).load(epi_layout).to(gl.float32)
             rows = pid_m * BLOCK_M + r + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, epi_layout))
             cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, epi_layout))
@@ -103,12 +105,20 @@ def _consumer(a_bufs, b_bufs, ready, empty, order, dh_bufs, g_ptr, u_ptr, M, N, 
             c2 = gl.expand_dims(cols, 0)
             g_ptrs = g_ptr + r64 * stride_g + c2
             u_ptrs = u_ptr + r64 * stride_u + c2
-            x = gl.load(g_ptrs, mask=mask, other=0.0).to(gl.float32)
-            uf = gl.load(u_ptrs, mask=mask, other=0.0).to(gl.float32)
-            h = _round(_gelu(x, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA), T).to(gl.float32)
-            d_up = _round(dh * h, T)
-            d_hg = _round(dh * uf, T).to(gl.float32)
-            d_gate = _round(d_hg * _gelu_grad(x, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA), T)
+            if EPI_MODE == 3:
+                x = dh
+                uf = dh * 0.5
+            else:
+                x = gl.load(g_ptrs, mask=mask, other=0.0).to(gl.float32)
+                uf = gl.load(u_ptrs, mask=mask, other=0.0).to(gl.float32)
+            if EPI_MODE == 2:
+                d_up = _round(dh * x, T)
+                d_gate = _round(dh * uf, T)
+            else:
+                h = _round(_gelu(x, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA), T).to(gl.float32)
+                d_up = _round(dh * h, T)
+                d_hg = _round(dh * uf, T).to(gl.float32)
+                d_gate = _round(d_hg * _gelu_grad(x, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA), T)
             gl.store(g_ptrs, d_gate, mask=mask)
             gl.store(u_ptrs, d_up, mask=mask)
 
@@ -118,7 +128,7 @@ def _down_dgeglu_ws_kernel(dy_desc, wd_desc, g_ptr, u_ptr, M, N, K, stride_g, st
                            TANH: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, CHUNK: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                            K_BETA_TANH: gl.constexpr, K_KAPPA: gl.constexpr, K_ALPHA: gl.constexpr,
-                           K_BETA_ERF: gl.constexpr, K_3KAPPA: gl.constexpr, EPILOGUE: gl.constexpr = True):
+                           K_BETA_ERF: gl.constexpr, K_3KAPPA: gl.constexpr, EPI_MODE: gl.constexpr = 1):
     BLOCK_M: gl.constexpr = dy_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = dy_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = wd_desc.block_type.shape[1]
@@ -138,10 +148,10 @@ def _down_dgeglu_ws_kernel(dy_desc, wd_desc, g_ptr, u_ptr, M, N, K, stride_g, st
     gl.warp_specialize([
         (_consumer, (a_bufs, b_bufs, ready, empty, order, dh_bufs, g_ptr, u_ptr, M, N, K, stride_g, stride_u, 0, TANH,
                      BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, CHUNK, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF,
-                     K_3KAPPA, EPILOGUE)),
+                     K_3KAPPA, EPI_MODE)),
         (_consumer, (a_bufs, b_bufs, ready, empty, order, dh_bufs, g_ptr, u_ptr, M, N, K, stride_g, stride_u, 1, TANH,
                      BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, CHUNK, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF,
-                     K_3KAPPA, EPILOGUE)),
+                     K_3KAPPA, EPI_MODE)),
         (_producer, (dy_desc, wd_desc, a_bufs, b_bufs, ready, empty, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
                      GROUP_M)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -150,10 +160,11 @@ def _down_dgeglu_ws_kernel(dy_desc, wd_desc, g_ptr, u_ptr, M, N, K, stride_g, st
 def down_dgeglu_ws(dy: torch.Tensor, w_down: torch.Tensor, g: torch.Tensor, u: torch.Tensor, tanh: bool,
                    block_m: int = 128, block_n: int = 128, block_k: int = 64, stages: int = 4, group_m: int = 8,
                    chunk: int = 32, consumer_regs: int = 232, producer_regs: int = 40, num_sms: int = 0,
-                   epilogue: bool = True):
+                   epi_mode: int = 1):
     """In place: g, u [M, H] become d_g, d_u for d_h = dy @ w_down (dy [M, D], w_down [D, H]; fp16/bf16, unit
-    last-dim strides, 16-byte aligned rows). Returns the compiled kernel. ``epilogue=False`` (diagnostics) stops after
-    staging d_h in shared memory: the GEMM and its pipeline alone, g and u untouched."""
+    last-dim strides, 16-byte aligned rows). Returns the compiled kernel. ``epi_mode`` other than 1 is for
+    diagnostics (wrong results): 0 stops after staging d_h in shared memory (the GEMM and its pipeline alone), 2 keeps
+    the epilogue's loads and stores with one product for the math, 3 keeps the math without the g, u loads."""
     M, K = dy.shape
     N = w_down.shape[1]
     gt = gl.bfloat16 if dy.dtype == torch.bfloat16 else gl.float16
@@ -167,5 +178,5 @@ def down_dgeglu_ws(dy: torch.Tensor, w_down: torch.Tensor, g: torch.Tensor, u: t
     return _down_dgeglu_ws_kernel[grid](
         dy_desc, wd_desc, g, u, M, N, K, g.stride(0), u.stride(0), TANH=tanh, STAGES=stages, GROUP_M=group_m,
         CHUNK=chunk, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, K_BETA_TANH=K_BETA_TANH,
-        K_KAPPA=K_KAPPA, K_ALPHA=K_ALPHA, K_BETA_ERF=K_BETA_ERF, K_3KAPPA=K_3KAPPA, EPILOGUE=epilogue, num_warps=4,
+        K_KAPPA=K_KAPPA, K_ALPHA=K_ALPHA, K_BETA_ERF=K_BETA_ERF, K_3KAPPA=K_3KAPPA, EPI_MODE=epi_mode, num_warps=4,
         enable_fp_fusion=False)  # eager's bits: FMAs only where written (_triton.py)
