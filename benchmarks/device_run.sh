@@ -7,7 +7,8 @@
 # transformers, fused (the fused-kernel sweep at 8192x4096x14336; fused-2304 at 8192x2304x9216), mlp (the whole-MLP
 # table alone), gemms (the training step GEMM by GEMM), packed (the packed-weight gate/up kernel probe), bwd (the fused
 # backward and the training step with the fused kernels), ws-test (the Gluon backward's GPU test), ws-diag and
-# ws-ncu (why the Gluon backward is slow: timings, and ncu's speed-of-light and memory sections), bench (bf16 with peers and the whole MLP; bench-fast: without max-autotune), bench-other (fp16 and
+# ws-ncu (why the Gluon backward is slow: timings, and ncu's speed-of-light and memory sections), ws-stalls (its
+# warp stall reasons), bench (bf16 with peers and the whole MLP; bench-fast: without max-autotune), bench-other (fp16 and
 # fp32, ours and eager), profile, sanitize.
 # Each step is time-limited and logged to $OUT/<step>.log; a failing step does not stop the later ones.
 set -u
@@ -60,6 +61,8 @@ for s in "$@"; do
     ws-diag) step ws-diag 200 python3 benchmarks/ws_diag.py --build-dir build ;;
     ws-ncu) TAIL=80 step ws-ncu 240 ncu --section SpeedOfLight --section MemoryWorkloadAnalysis \
         -k regex:'gemm|nvjet|dgeglu' python3 benchmarks/ws_diag.py --build-dir build --once --shapes 8192x2304x9216 ;;
+    ws-stalls) TAIL=200 step ws-stalls 200 ncu --section WarpStateStats --section SchedulerStats \
+        -k regex:'down_dgeglu_ws' python3 benchmarks/ws_diag.py --build-dir build --once --shapes 8192x2304x9216 ;;
     bwd) step bwd 420 python3 benchmarks/bwd_probe.py --build-dir build ;;
     gemms) step gemms 300 python3 benchmarks/mlp_train_gemms.py --build-dir build ;;
     mlp) step mlp 300 python3 -m kerneltools bench --build-dir build --mlp-only --out "$OUT/mlp" ;;
