@@ -137,7 +137,8 @@ def main(argv=None) -> int:
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, **kt._maxnreg(cfg),
             grid=(1,))
 
-    def compile_ws_bwd(cfg, epi_mode):
+    def compile_ws_bwd(cfg, mode):
+        epi_mode, loop_chunks, chunk = mode
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
@@ -149,17 +150,20 @@ def main(argv=None) -> int:
         wd_d = GluonDescriptor.from_tensor(wd, [bk, bn], gl.NVMMASharedLayout.get_default_for([bk, bn], gt))
         return gb._down_dgeglu_ws_kernel.warmup(
             dy_d, wd_d, g_, u_, M, H, D, g_.stride(0), u_.stride(0), TANH=args.approximate == "tanh",
-            STAGES=cfg.num_stages, GROUP_M=cfg.group_m, CHUNK=32, CONSUMER_REGS=232, PRODUCER_REGS=40,
+            STAGES=cfg.num_stages, GROUP_M=cfg.group_m, CHUNK=chunk, CONSUMER_REGS=232, PRODUCER_REGS=40,
             K_BETA_TANH=kt.K_BETA_TANH, K_KAPPA=kt.K_KAPPA, K_ALPHA=kt.K_ALPHA, K_BETA_ERF=kt.K_BETA_ERF,
-            K_3KAPPA=kt.K_3KAPPA, EPI_MODE=epi_mode, num_warps=4, enable_fp_fusion=False, grid=(1,))
+            K_3KAPPA=kt.K_3KAPPA, EPI_MODE=epi_mode, LOOP_CHUNKS=loop_chunks, num_warps=4, enable_fp_fusion=False, grid=(1,))
 
     jobs = []
     if args.kernel == "ws-bwd":
         for cfg in (kt.Config(128, 128, 64, 8, 4, 4), kt.Config(128, 128, 64, 8, 4, 3)):
-            jobs.append((f"ws-bwd dgeglu {cfg.label()}", cfg, compile_ws_bwd, 1))
+            jobs.append((f"ws-bwd dgeglu {cfg.label()}", cfg, compile_ws_bwd, (1, False, 32)))
+        for chunk in (16, 32):
+            jobs.append((f"ws-bwd dgeglu loop_chunks CHUNK {chunk} 128x128x64 s4", kt.Config(128, 128, 64, 8, 4, 4),
+                         compile_ws_bwd, (1, True, chunk)))
         for mode in (0, 2, 3):
             jobs.append((f"ws-bwd epi_mode {mode} (diagnostics) 128x128x64 s4", kt.Config(128, 128, 64, 8, 4, 4),
-                         compile_ws_bwd, mode))
+                         compile_ws_bwd, (mode, False, 32)))
     if args.kernel in ("paired", "all"):
         for save in ((False, True) if args.save else (False,)):
             for cfg in dict.fromkeys(kt.PAIRED_SWEEP):
@@ -204,8 +208,10 @@ def main(argv=None) -> int:
         (out / f"{tag}.sass").write_text(sass)
         verdict = "SERIALIZED " + "; ".join(f"{c}: {why}" for c, why in serial) if serial else "pipelined"
         bad += bool(serial)
+        n_ins = len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, re.M))
         print(f"{label:<56} {regs.group(1) if regs else '?':>3} regs  spills {spill.group(1) if spill else '?':>3} B"
-              f"  smem {k.metadata.shared // 1024:>3} KiB  HGMMA {sass.count('HGMMA'):>2}  {verdict}", flush=True)
+              f"  smem {k.metadata.shared // 1024:>3} KiB  HGMMA {sass.count('HGMMA'):>2}  {n_ins:>5} SASS  {verdict}",
+              flush=True)
     print(f"PTX/SASS in {out}")
     return 0
 

@@ -84,6 +84,10 @@ def main():
                                                                                  epi_mode=3),
             "Gluon ws, full, CHUNK 16": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, stages=4, chunk=16),
             "Gluon ws, full, CHUNK 64": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, stages=4, chunk=64),
+            "Gluon ws, full, loop_chunks CHUNK 32": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, stages=4,
+                                                                              loop_chunks=True),
+            "Gluon ws, full, loop_chunks CHUNK 16": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, stages=4,
+                                                                              loop_chunks=True, chunk=16),
             "Gluon ws, full, 4 stages": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, stages=4),
             "Gluon ws, full, 4 stages, GROUP_M 16": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, stages=4,
                                                                               group_m=16),
@@ -97,10 +101,10 @@ def main():
         g.copy_(g0), u.copy_(u0)
         kt.down_dgeglu_into(dy, wd, g, u, True, False)
         ref = g.clone(), u.clone()
-        for chunk in (16, 32, 64):
+        for chunk, loop in ((16, False), (32, False), (64, False), (32, True), (16, True)):
             g.copy_(g0), u.copy_(u0)
-            ws.down_dgeglu_ws(dy, wd, g, u, True, stages=4, chunk=chunk)
-            print(f"{shape}: Gluon ws CHUNK {chunk} equals the Triton fused backward: "
+            ws.down_dgeglu_ws(dy, wd, g, u, True, stages=4, chunk=chunk, loop_chunks=loop)
+            print(f"{shape}: Gluon ws CHUNK {chunk} loop_chunks {loop} equals the Triton fused backward: "
                   f"{torch.equal(g, ref[0]) and torch.equal(u, ref[1])}", flush=True)
         del ref
         if args.once:

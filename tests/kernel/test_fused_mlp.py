@@ -434,7 +434,7 @@ def test_gpu_warp_specialised_backward_equals_pointwise(geglu, kt, M, D, H, dtyp
     """The experimental Gluon kernel (_gluon_bwd.py: a TMA producer warp and two consumer warpgroups taking
     alternate tiles): d_g, d_u written over g, u equal our pointwise backward of the same d_h bit for bit (d_h exact
     by construction), at ragged sizes (one tile a program, then two: both warpgroups) and at a benchmark size, for 3
-    and 4 stages."""
+    and 4 stages, the epilogue's chunks unrolled and in a runtime loop."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon backward is written for sm_90 (wgmma, TMA)")
     ws = importlib.import_module(geglu.__name__ + "._gluon_bwd")
@@ -442,13 +442,13 @@ def test_gpu_warp_specialised_backward_equals_pointwise(geglu, kt, M, D, H, dtyp
     g0, u0 = gu[:, :H].contiguous(), gu[:, H:].contiguous()
     d_h = (dy.float() @ wd.float()).to(dtype)
     ref_dg, ref_du = geglu.geglu_backward(d_h, g0, u0, approximate)
-    for stages in (3, 4):
+    for stages, loop_chunks, chunk in ((3, False, 32), (4, False, 32), (4, True, 32), (4, True, 16)):
         g, u = g0.clone(), u0.clone()
-        ws.down_dgeglu_ws(dy, wd, g, u, approximate == "tanh", stages=stages)
+        ws.down_dgeglu_ws(dy, wd, g, u, approximate == "tanh", stages=stages, loop_chunks=loop_chunks, chunk=chunk)
         torch.cuda.synchronize()
         assert torch.equal(g, ref_dg) and torch.equal(u, ref_du), (
-            f"stages {stages}: max diff d_g {(g.float() - ref_dg.float()).abs().max()}, "
-            f"d_u {(u.float() - ref_du.float()).abs().max()}")
+            f"stages {stages} loop_chunks {loop_chunks} chunk {chunk}: max diff d_g "
+            f"{(g.float() - ref_dg.float()).abs().max()}, d_u {(u.float() - ref_du.float()).abs().max()}")
 
 
 @pytest.mark.gpu

@@ -59,12 +59,18 @@ def _consumer(a_bufs, b_bufs, ready, empty, order, dh_bufs, g_ptr, u_ptr, M, N, 
               WG: gl.constexpr, TANH: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, CHUNK: gl.constexpr,
               K_BETA_TANH: gl.constexpr, K_KAPPA: gl.constexpr, K_ALPHA: gl.constexpr,
-              K_BETA_ERF: gl.constexpr, K_3KAPPA: gl.constexpr, EPI_MODE: gl.constexpr):
+              K_BETA_ERF: gl.constexpr, K_3KAPPA: gl.constexpr, EPI_MODE: gl.constexpr,
+              LOOP_CHUNKS: gl.constexpr):
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
     epi_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     T: gl.constexpr = a_bufs.dtype
-    dh_smem = dh_bufs.index(WG)
+    NCH: gl.constexpr = BLOCK_M // CHUNK
+    if LOOP_CHUNKS:  # dh_bufs: [2 * NCH, CHUNK, BLOCK_N] row-major; this warpgroup's [BLOCK_M, BLOCK_N] view
+        plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        dh_smem = dh_bufs._reinterpret(T, [2 * BLOCK_M, BLOCK_N], plain).slice(WG * BLOCK_M, BLOCK_M, dim=0)
+    else:
+        dh_smem = dh_bufs.index(WG)
     num_pid_m = gl.cdiv(M, BLOCK_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_tiles = gl.cdiv(K, BLOCK_K)
@@ -96,47 +102,68 @@ def _consumer(a_bufs, b_bufs, ready, empty, order, dh_bufs, g_ptr, u_ptr, M, N, 
         dh_smem.store(acc.to(T))
         # EPI_MODE (diagnostics; 1 is the real epilogue): 0 none, 2 loads and stores with a product for math,
         # 3 the math without the g, u loads
-        for r in gl.static_range(0, BLOCK_M if EPI_MODE != 0 else 0, CHUNK):
-            dh = dh_smem.slice(r, CHUNK, dim=0).load(epi_layout).to(gl.float32)
-            rows = pid_m * BLOCK_M + r + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, epi_layout))
-            cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, epi_layout))
-            mask = gl.expand_dims(rows < M, 1) & gl.expand_dims(cols < N, 0)
-            r64 = gl.expand_dims(rows.to(gl.int64), 1)
-            c2 = gl.expand_dims(cols, 0)
-            g_ptrs = g_ptr + r64 * stride_g + c2
-            u_ptrs = u_ptr + r64 * stride_u + c2
-            if EPI_MODE == 3:
-                x = dh
-                uf = dh * 0.5
+        if EPI_MODE != 0:
+            if LOOP_CHUNKS:  # one copy of the chunk's code (a runtime loop): less for the instruction cache
+                for i in range(NCH):
+                    _epi_chunk(dh_bufs.index(WG * NCH + i).load(epi_layout).to(gl.float32), pid_m * BLOCK_M + i * CHUNK,
+                               pid_n * BLOCK_N, g_ptr, u_ptr, M, N, stride_g, stride_u, T, TANH, CHUNK, BLOCK_N,
+                               epi_layout, EPI_MODE, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA)
             else:
-                x = gl.load(g_ptrs, mask=mask, other=0.0).to(gl.float32)
-                uf = gl.load(u_ptrs, mask=mask, other=0.0).to(gl.float32)
-            if EPI_MODE == 2:
-                d_up = _round(dh * x, T)
-                d_gate = _round(dh * uf, T)
-            else:
-                h = _round(_gelu(x, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA), T).to(gl.float32)
-                d_up = _round(dh * h, T)
-                d_hg = _round(dh * uf, T).to(gl.float32)
-                d_gate = _round(d_hg * _gelu_grad(x, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA), T)
-            gl.store(g_ptrs, d_gate, mask=mask)
-            gl.store(u_ptrs, d_up, mask=mask)
+                for r in gl.static_range(0, BLOCK_M, CHUNK):
+                    _epi_chunk(dh_smem.slice(r, CHUNK, dim=0).load(epi_layout).to(gl.float32), pid_m * BLOCK_M + r,
+                               pid_n * BLOCK_N, g_ptr, u_ptr, M, N, stride_g, stride_u, T, TANH, CHUNK, BLOCK_N,
+                               epi_layout, EPI_MODE, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA)
 
+
+@gluon.jit
+def _epi_chunk(dh, row0, col0, g_ptr, u_ptr, M, N, stride_g, stride_u, T: gl.constexpr, TANH: gl.constexpr,
+               CHUNK: gl.constexpr, BLOCK_N: gl.constexpr, epi_layout: gl.constexpr, EPI_MODE: gl.constexpr,
+               K_BETA_TANH: gl.constexpr, K_KAPPA: gl.constexpr, K_ALPHA: gl.constexpr,
+               K_BETA_ERF: gl.constexpr, K_3KAPPA: gl.constexpr):
+    """d_g, d_u of one [CHUNK, BLOCK_N] chunk of d_h (fp32 of the rounded d_h), written over g, u."""
+    rows = row0 + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, epi_layout))
+    cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, epi_layout))
+    mask = gl.expand_dims(rows < M, 1) & gl.expand_dims(cols < N, 0)
+    r64 = gl.expand_dims(rows.to(gl.int64), 1)
+    c2 = gl.expand_dims(cols, 0)
+    g_ptrs = g_ptr + r64 * stride_g + c2
+    u_ptrs = u_ptr + r64 * stride_u + c2
+    if EPI_MODE == 3:
+        x = dh
+        uf = dh * 0.5
+    else:
+        x = gl.load(g_ptrs, mask=mask, other=0.0).to(gl.float32)
+        uf = gl.load(u_ptrs, mask=mask, other=0.0).to(gl.float32)
+    if EPI_MODE == 2:
+        d_up = _round(dh * x, T)
+        d_gate = _round(dh * uf, T)
+    else:
+        h = _round(_gelu(x, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA), T).to(gl.float32)
+        d_up = _round(dh * h, T)
+        d_hg = _round(dh * uf, T).to(gl.float32)
+        d_gate = _round(d_hg * _gelu_grad(x, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA), T)
+    gl.store(g_ptrs, d_gate, mask=mask)
+    gl.store(u_ptrs, d_up, mask=mask)
 
 @gluon.jit
 def _down_dgeglu_ws_kernel(dy_desc, wd_desc, g_ptr, u_ptr, M, N, K, stride_g, stride_u,
                            TANH: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, CHUNK: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                            K_BETA_TANH: gl.constexpr, K_KAPPA: gl.constexpr, K_ALPHA: gl.constexpr,
-                           K_BETA_ERF: gl.constexpr, K_3KAPPA: gl.constexpr, EPI_MODE: gl.constexpr = 1):
+                           K_BETA_ERF: gl.constexpr, K_3KAPPA: gl.constexpr, EPI_MODE: gl.constexpr = 1,
+                           LOOP_CHUNKS: gl.constexpr = False):
     BLOCK_M: gl.constexpr = dy_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = dy_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = wd_desc.block_type.shape[1]
     T: gl.constexpr = dy_desc.dtype
     a_bufs = gl.allocate_shared_memory(T, [STAGES, BLOCK_M, BLOCK_K], dy_desc.layout)
     b_bufs = gl.allocate_shared_memory(T, [STAGES, BLOCK_K, BLOCK_N], wd_desc.layout)
-    dh_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], T)
-    dh_bufs = gl.allocate_shared_memory(T, [2, BLOCK_M, BLOCK_N], dh_layout)
+    if LOOP_CHUNKS:
+        dh_bufs = gl.allocate_shared_memory(T, [2 * (BLOCK_M // CHUNK), CHUNK, BLOCK_N],
+                                            gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    else:
+        dh_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], T)
+        dh_bufs = gl.allocate_shared_memory(T, [2, BLOCK_M, BLOCK_N], dh_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -148,10 +175,10 @@ def _down_dgeglu_ws_kernel(dy_desc, wd_desc, g_ptr, u_ptr, M, N, K, stride_g, st
     gl.warp_specialize([
         (_consumer, (a_bufs, b_bufs, ready, empty, order, dh_bufs, g_ptr, u_ptr, M, N, K, stride_g, stride_u, 0, TANH,
                      BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, CHUNK, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF,
-                     K_3KAPPA, EPI_MODE)),
+                     K_3KAPPA, EPI_MODE, LOOP_CHUNKS)),
         (_consumer, (a_bufs, b_bufs, ready, empty, order, dh_bufs, g_ptr, u_ptr, M, N, K, stride_g, stride_u, 1, TANH,
                      BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, CHUNK, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF,
-                     K_3KAPPA, EPI_MODE)),
+                     K_3KAPPA, EPI_MODE, LOOP_CHUNKS)),
         (_producer, (dy_desc, wd_desc, a_bufs, b_bufs, ready, empty, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
                      GROUP_M)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -160,11 +187,14 @@ def _down_dgeglu_ws_kernel(dy_desc, wd_desc, g_ptr, u_ptr, M, N, K, stride_g, st
 def down_dgeglu_ws(dy: torch.Tensor, w_down: torch.Tensor, g: torch.Tensor, u: torch.Tensor, tanh: bool,
                    block_m: int = 128, block_n: int = 128, block_k: int = 64, stages: int = 4, group_m: int = 8,
                    chunk: int = 32, consumer_regs: int = 232, producer_regs: int = 40, num_sms: int = 0,
-                   epi_mode: int = 1):
+                   epi_mode: int = 1, loop_chunks: bool = False):
     """In place: g, u [M, H] become d_g, d_u for d_h = dy @ w_down (dy [M, D], w_down [D, H]; fp16/bf16, unit
     last-dim strides, 16-byte aligned rows). Returns the compiled kernel. ``epi_mode`` other than 1 is for
     diagnostics (wrong results): 0 stops after staging d_h in shared memory (the GEMM and its pipeline alone), 2 keeps
-    the epilogue's loads and stores with one product for the math, 3 keeps the math without the g, u loads."""
+    the epilogue's loads and stores with one product for the math, 3 keeps the math without the g, u loads.
+    ``loop_chunks`` walks the epilogue's row chunks in a runtime loop (one copy of their code instead of
+    BLOCK_M / CHUNK: the H200 profile of the unrolled epilogue has instruction fetch as its main stall), through an
+    unswizzled staging buffer; compiled offline only so far (docs/fused-mlp.md)."""
     M, K = dy.shape
     N = w_down.shape[1]
     gt = gl.bfloat16 if dy.dtype == torch.bfloat16 else gl.float16
@@ -178,5 +208,5 @@ def down_dgeglu_ws(dy: torch.Tensor, w_down: torch.Tensor, g: torch.Tensor, u: t
     return _down_dgeglu_ws_kernel[grid](
         dy_desc, wd_desc, g, u, M, N, K, g.stride(0), u.stride(0), TANH=tanh, STAGES=stages, GROUP_M=group_m,
         CHUNK=chunk, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, K_BETA_TANH=K_BETA_TANH,
-        K_KAPPA=K_KAPPA, K_ALPHA=K_ALPHA, K_BETA_ERF=K_BETA_ERF, K_3KAPPA=K_3KAPPA, EPI_MODE=epi_mode, num_warps=4,
+        K_KAPPA=K_KAPPA, K_ALPHA=K_ALPHA, K_BETA_ERF=K_BETA_ERF, K_3KAPPA=K_3KAPPA, EPI_MODE=epi_mode, LOOP_CHUNKS=loop_chunks, num_warps=4,
         enable_fp_fusion=False)  # eager's bits: FMAs only where written (_triton.py)
