@@ -138,7 +138,7 @@ def main(argv=None) -> int:
             grid=(1,))
 
     def compile_ws_bwd(cfg, mode):
-        epi_mode, loop_chunks, chunk = mode
+        epi_mode, loop_chunks, chunk, cw, regs = (mode + (4, 232))[:5] if len(mode) == 3 else mode
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
@@ -150,9 +150,10 @@ def main(argv=None) -> int:
         wd_d = GluonDescriptor.from_tensor(wd, [bk, bn], gl.NVMMASharedLayout.get_default_for([bk, bn], gt))
         return gb._down_dgeglu_ws_kernel.warmup(
             dy_d, wd_d, g_, u_, M, H, D, g_.stride(0), u_.stride(0), TANH=args.approximate == "tanh",
-            STAGES=cfg.num_stages, GROUP_M=cfg.group_m, CHUNK=chunk, CONSUMER_REGS=232, PRODUCER_REGS=40,
+            STAGES=cfg.num_stages, GROUP_M=cfg.group_m, CHUNK=chunk, CONSUMER_REGS=regs, PRODUCER_REGS=40 if cw == 4 else 24,
             K_BETA_TANH=kt.K_BETA_TANH, K_KAPPA=kt.K_KAPPA, K_ALPHA=kt.K_ALPHA, K_BETA_ERF=kt.K_BETA_ERF,
-            K_3KAPPA=kt.K_3KAPPA, EPI_MODE=epi_mode, LOOP_CHUNKS=loop_chunks, num_warps=4, enable_fp_fusion=False, grid=(1,))
+            K_3KAPPA=kt.K_3KAPPA, EPI_MODE=epi_mode, LOOP_CHUNKS=loop_chunks, num_warps=cw, enable_fp_fusion=False,
+            grid=(1,))
 
     jobs = []
     if args.kernel == "ws-bwd":
@@ -161,6 +162,9 @@ def main(argv=None) -> int:
         for chunk in (16, 32):
             jobs.append((f"ws-bwd dgeglu loop_chunks CHUNK {chunk} 128x128x64 s4", kt.Config(128, 128, 64, 8, 4, 4),
                          compile_ws_bwd, (1, True, chunk)))
+        for chunk, regs in ((16, 120), (32, 120), (16, 112)):
+            jobs.append((f"ws-bwd dgeglu 8-warp consumers loop_chunks CHUNK {chunk} r{regs}",
+                         kt.Config(128, 128, 64, 8, 8, 4), compile_ws_bwd, (1, True, chunk, 8, regs)))
         for mode in (0, 2, 3):
             jobs.append((f"ws-bwd epi_mode {mode} (diagnostics) 128x128x64 s4", kt.Config(128, 128, 64, 8, 4, 4),
                          compile_ws_bwd, (mode, False, 32)))

@@ -88,6 +88,8 @@ def main():
                                                                               loop_chunks=True),
             "Gluon ws, full, loop_chunks CHUNK 16": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, stages=4,
                                                                               loop_chunks=True, chunk=16),
+            "Gluon ws, full, loop_chunks CHUNK 16, 8-warp consumers": lambda: ws.down_dgeglu_ws(
+                dy, wd, g, u, True, stages=4, loop_chunks=True, chunk=16, consumer_warps=8, consumer_regs=120),
             "Gluon ws, full, 4 stages": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, stages=4),
             "Gluon ws, full, 4 stages, GROUP_M 16": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, stages=4,
                                                                               group_m=16),
@@ -101,10 +103,12 @@ def main():
         g.copy_(g0), u.copy_(u0)
         kt.down_dgeglu_into(dy, wd, g, u, True, False)
         ref = g.clone(), u.clone()
-        for chunk, loop in ((16, False), (32, False), (64, False), (32, True), (16, True)):
+        for chunk, loop, cw in ((16, False, 4), (32, False, 4), (64, False, 4), (32, True, 4), (16, True, 4),
+                                (16, True, 8)):
             g.copy_(g0), u.copy_(u0)
-            ws.down_dgeglu_ws(dy, wd, g, u, True, stages=4, chunk=chunk, loop_chunks=loop)
-            print(f"{shape}: Gluon ws CHUNK {chunk} loop_chunks {loop} equals the Triton fused backward: "
+            ws.down_dgeglu_ws(dy, wd, g, u, True, stages=4, chunk=chunk, loop_chunks=loop, consumer_warps=cw,
+                              consumer_regs=232 if cw == 4 else 120)
+            print(f"{shape}: Gluon ws CHUNK {chunk} loop_chunks {loop} consumer warps {cw} equals the Triton fused backward: "
                   f"{torch.equal(g, ref[0]) and torch.equal(u, ref[1])}", flush=True)
         del ref
         if args.once:

@@ -434,7 +434,7 @@ def test_gpu_warp_specialised_backward_equals_pointwise(geglu, kt, M, D, H, dtyp
     """The experimental Gluon kernel (_gluon_bwd.py: a TMA producer warp and two consumer warpgroups taking
     alternate tiles): d_g, d_u written over g, u equal our pointwise backward of the same d_h bit for bit (d_h exact
     by construction), at ragged sizes (one tile a program, then two: both warpgroups) and at a benchmark size, for 3
-    and 4 stages, the epilogue's chunks unrolled and in a runtime loop."""
+    and 4 stages, the epilogue's chunks unrolled and in a runtime loop, one or two warpgroups a consumer."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon backward is written for sm_90 (wgmma, TMA)")
     ws = importlib.import_module(geglu.__name__ + "._gluon_bwd")
@@ -442,12 +442,15 @@ def test_gpu_warp_specialised_backward_equals_pointwise(geglu, kt, M, D, H, dtyp
     g0, u0 = gu[:, :H].contiguous(), gu[:, H:].contiguous()
     d_h = (dy.float() @ wd.float()).to(dtype)
     ref_dg, ref_du = geglu.geglu_backward(d_h, g0, u0, approximate)
-    for stages, loop_chunks, chunk in ((3, False, 32), (4, False, 32), (4, True, 32), (4, True, 16)):
+    variants = [dict(stages=3), dict(stages=4), dict(stages=4, loop_chunks=True),
+                dict(stages=4, loop_chunks=True, chunk=16),
+                dict(stages=4, loop_chunks=True, chunk=16, consumer_warps=8, consumer_regs=120)]
+    for v in variants:
         g, u = g0.clone(), u0.clone()
-        ws.down_dgeglu_ws(dy, wd, g, u, approximate == "tanh", stages=stages, loop_chunks=loop_chunks, chunk=chunk)
+        ws.down_dgeglu_ws(dy, wd, g, u, approximate == "tanh", **v)
         torch.cuda.synchronize()
         assert torch.equal(g, ref_dg) and torch.equal(u, ref_du), (
-            f"stages {stages} loop_chunks {loop_chunks} chunk {chunk}: max diff d_g "
+            f"{v}: max diff d_g "
             f"{(g.float() - ref_dg.float()).abs().max()}, d_u {(u.float() - ref_du.float()).abs().max()}")
 
 

@@ -61,9 +61,10 @@ def _consumer(a_bufs, b_bufs, ready, empty, order, dh_bufs, g_ptr, u_ptr, M, N, 
               K_BETA_TANH: gl.constexpr, K_KAPPA: gl.constexpr, K_ALPHA: gl.constexpr,
               K_BETA_ERF: gl.constexpr, K_3KAPPA: gl.constexpr, EPI_MODE: gl.constexpr,
               LOOP_CHUNKS: gl.constexpr):
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+    CW: gl.constexpr = gl.num_warps()  # 4: one warpgroup; 8: two, each taking 64 rows of the tile
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CW, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
-    epi_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    epi_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [CW, 1], [1, 0])
     T: gl.constexpr = a_bufs.dtype
     NCH: gl.constexpr = BLOCK_M // CHUNK
     if LOOP_CHUNKS:  # dh_bufs: [2 * NCH, CHUNK, BLOCK_N] row-major; this warpgroup's [BLOCK_M, BLOCK_N] view
@@ -181,20 +182,22 @@ def _down_dgeglu_ws_kernel(dy_desc, wd_desc, g_ptr, u_ptr, M, N, K, stride_g, st
                      K_3KAPPA, EPI_MODE, LOOP_CHUNKS)),
         (_producer, (dy_desc, wd_desc, a_bufs, b_bufs, ready, empty, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
                      GROUP_M)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    ], [gl.num_warps(), 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def down_dgeglu_ws(dy: torch.Tensor, w_down: torch.Tensor, g: torch.Tensor, u: torch.Tensor, tanh: bool,
                    block_m: int = 128, block_n: int = 128, block_k: int = 64, stages: int = 4, group_m: int = 8,
                    chunk: int = 32, consumer_regs: int = 232, producer_regs: int = 40, num_sms: int = 0,
-                   epi_mode: int = 1, loop_chunks: bool = False):
+                   epi_mode: int = 1, loop_chunks: bool = False, consumer_warps: int = 4):
     """In place: g, u [M, H] become d_g, d_u for d_h = dy @ w_down (dy [M, D], w_down [D, H]; fp16/bf16, unit
     last-dim strides, 16-byte aligned rows). Returns the compiled kernel. ``epi_mode`` other than 1 is for
     diagnostics (wrong results): 0 stops after staging d_h in shared memory (the GEMM and its pipeline alone), 2 keeps
     the epilogue's loads and stores with one product for the math, 3 keeps the math without the g, u loads.
     ``loop_chunks`` walks the epilogue's row chunks in a runtime loop (one copy of their code instead of
     BLOCK_M / CHUNK: the H200 profile of the unrolled epilogue has instruction fetch as its main stall), through an
-    unswizzled staging buffer; compiled offline only so far (docs/fused-mlp.md)."""
+    unswizzled staging buffer; ``consumer_warps=8`` gives each consumer two warpgroups (64 rows of the tile each, half
+    the epilogue's work a thread; pass ``consumer_regs`` <= 120 so that 2 x 256 + 128 threads fit the register file).
+    Both compiled offline only so far (docs/fused-mlp.md)."""
     M, K = dy.shape
     N = w_down.shape[1]
     gt = gl.bfloat16 if dy.dtype == torch.bfloat16 else gl.float16
@@ -208,5 +211,6 @@ def down_dgeglu_ws(dy: torch.Tensor, w_down: torch.Tensor, g: torch.Tensor, u: t
     return _down_dgeglu_ws_kernel[grid](
         dy_desc, wd_desc, g, u, M, N, K, g.stride(0), u.stride(0), TANH=tanh, STAGES=stages, GROUP_M=group_m,
         CHUNK=chunk, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, K_BETA_TANH=K_BETA_TANH,
-        K_KAPPA=K_KAPPA, K_ALPHA=K_ALPHA, K_BETA_ERF=K_BETA_ERF, K_3KAPPA=K_3KAPPA, EPI_MODE=epi_mode, LOOP_CHUNKS=loop_chunks, num_warps=4,
+        K_KAPPA=K_KAPPA, K_ALPHA=K_ALPHA, K_BETA_ERF=K_BETA_ERF, K_3KAPPA=K_3KAPPA, EPI_MODE=epi_mode, LOOP_CHUNKS=loop_chunks,
+        num_warps=consumer_warps,
         enable_fp_fusion=False)  # eager's bits: FMAs only where written (_triton.py)
