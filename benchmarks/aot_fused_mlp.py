@@ -138,7 +138,7 @@ def main(argv=None) -> int:
             grid=(1,))
 
     def compile_ws_bwd(cfg, mode):
-        epi_mode, loop_chunks, chunk, cw, regs = (mode + (4, 232))[:5] if len(mode) == 3 else mode
+        epi_mode, loop_chunks, chunk, cw, regs = mode  # regs: the consumers' setmaxnreg
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
@@ -158,16 +158,16 @@ def main(argv=None) -> int:
     jobs = []
     if args.kernel == "ws-bwd":
         for cfg in (kt.Config(128, 128, 64, 8, 4, 4), kt.Config(128, 128, 64, 8, 4, 3)):
-            jobs.append((f"ws-bwd dgeglu {cfg.label()}", cfg, compile_ws_bwd, (1, False, 32)))
+            jobs.append((f"ws-bwd dgeglu {cfg.label()}", cfg, compile_ws_bwd, (1, False, 32, 4, 232)))
         for chunk in (16, 32):
             jobs.append((f"ws-bwd dgeglu loop_chunks CHUNK {chunk} 128x128x64 s4", kt.Config(128, 128, 64, 8, 4, 4),
-                         compile_ws_bwd, (1, True, chunk)))
+                         compile_ws_bwd, (1, True, chunk, 4, 232)))
         for chunk, regs in ((16, 120), (32, 120), (16, 112)):
             jobs.append((f"ws-bwd dgeglu 8-warp consumers loop_chunks CHUNK {chunk} r{regs}",
                          kt.Config(128, 128, 64, 8, 8, 4), compile_ws_bwd, (1, True, chunk, 8, regs)))
         for mode in (0, 2, 3):
             jobs.append((f"ws-bwd epi_mode {mode} (diagnostics) 128x128x64 s4", kt.Config(128, 128, 64, 8, 4, 4),
-                         compile_ws_bwd, (mode, False, 32)))
+                         compile_ws_bwd, (mode, False, 32, 4, 232)))
     if args.kernel in ("paired", "all"):
         for save in ((False, True) if args.save else (False,)):
             for cfg in dict.fromkeys(kt.PAIRED_SWEEP):
