@@ -20,17 +20,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ._fused_mlp_triton import _tile_coords
 from ._triton import K_3KAPPA, K_ALPHA, K_BETA_ERF, K_BETA_TANH, K_KAPPA, _gelu, _gelu_grad, _round
-
-
-@gluon.jit
-def _coords(tile_id, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
-    group = GROUP_M * num_pid_n
-    first_m = (tile_id // group) * GROUP_M
-    size_m = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (tile_id % group) % size_m
-    pid_n = (tile_id % group) // size_m
-    return pid_m, pid_n
 
 
 @gluon.jit
@@ -42,7 +33,7 @@ def _producer(dy_desc, wd_desc, a_bufs, b_bufs, ready, empty, M, N, K,
     k_tiles = gl.cdiv(K, BLOCK_K)
     c = 0
     for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
-        pid_m, pid_n = _coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         for kk in range(k_tiles):
@@ -79,7 +70,7 @@ def _consumer(a_bufs, b_bufs, ready, empty, order, dh_bufs, g_ptr, u_ptr, M, N, 
     c = WG * k_tiles  # this warpgroup's place in the producer's sequence of stages
     j = 0  # this warpgroup's tile count; the program's tile sequence index is t = 2 j + WG
     for tile_id in range(gl.program_id(0) + WG * nprog, num_pid_m * num_pid_n, 2 * nprog):
-        pid_m, pid_n = _coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         # Main loops in tile order: wait until the other warpgroup has taken every stage of the tile before this
         # one. A stage's `ready` barrier is then at most one phase behind this wait, which its parity needs (a
         # warpgroup starting tiles ahead would see an older phase of the same parity and read a stale stage).
