@@ -6,7 +6,8 @@ Why one node (docs/fused-mlp.md, "Training"):
 * **Same bits as eager.** The forward calls ``torch.mm`` exactly as ``F.linear`` does (2-D rows, ``W.t()``), the
   GeGLU kernel equals ``F.gelu(g) * u`` bit for bit, and the backward makes the GEMM calls autograd's
   ``MmBackward`` makes (``dy @ W`` for the input, ``dy^T @ input`` for the weight) and sums x's two gradients with
-  one add, as autograd does; our dGeGLU kernel has eager's rounding. So output and every gradient equal eager's.
+  one add, as autograd does; our dGeGLU kernel has eager's rounding. So output and every gradient equal eager's
+  (unless the opt-in fused kernels, FUSED_FORWARD / FUSED_BACKWARD below, are switched on).
 * **Less memory.** Eager holds g, gelu(g), u and h until the backward, and its down projection's backward
   allocates d_h while g, u and h are alive (4 [M, H] buffers; Liger's GEGLU MLP too). Here the forward holds g, u and
   h; the backward computes dW_down first, then writes d_h over h (which nothing needs any more), then d_g, d_u over
@@ -118,7 +119,7 @@ class GeGLUMLPFunction(torch.autograd.Function):
             h = torch.empty_like(g)
             _pw._forward_into(h, g, u, approximate, True)
         y = torch.mm(h, w_down.t())
-        ctx.fused_bwd = kt is not None and FUSED_BACKWARD
+        ctx.fused_kernels = kt if FUSED_BACKWARD else None
         ctx.approximate = approximate
         ctx.ran = False
         if _hooks_active():
@@ -147,13 +148,11 @@ class GeGLUMLPFunction(torch.autograd.Function):
         need_x, need_wg, need_wu, need_wd = ctx.needs_input_grad[:4]
         dy2 = dy.reshape(-1, dy.shape[-1])
         dwd = torch.mm(dy2.t(), h) if need_wd else None  # h's last reader
-        if ctx.fused_bwd:
+        if ctx.fused_kernels is not None:
             del h
-            from . import _fused_mlp as fm
-
             # d_h = dy @ Wd in a Triton GEMM whose epilogue writes [d_g, d_u] over g and u: no d_h in memory
-            fm._kernels().down_dgeglu_into(dy2.contiguous(), w_down.contiguous(), g, u, ctx.approximate == "tanh",
-                                           False, config=TRAIN_BWD_CONFIG)
+            ctx.fused_kernels.down_dgeglu_into(dy2.contiguous(), w_down.contiguous(), g, u, ctx.approximate == "tanh",
+                                               False, config=TRAIN_BWD_CONFIG)
         else:
             d_h = torch.mm(dy2, w_down, out=h)  # written over h
             del h
