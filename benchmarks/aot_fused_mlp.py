@@ -139,15 +139,9 @@ def main(argv=None) -> int:
 
     def compile_ws_bwd(cfg, mode):
         epi_mode, loop_chunks, chunk, cw, regs = mode  # regs: the consumers' setmaxnreg
-        from triton.experimental.gluon import language as gl
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
-
         gb = importlib.import_module(mod.__name__ + "._gluon_bwd")
-        bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-        gt = gl.bfloat16 if bf == torch.bfloat16 else gl.float16
         g_, u_ = gu[:, :H], gu[:, H:]
-        dy_d = GluonDescriptor.from_tensor(dy, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], gt))
-        wd_d = GluonDescriptor.from_tensor(wd, [bk, bn], gl.NVMMASharedLayout.get_default_for([bk, bn], gt))
+        dy_d, wd_d = gb.descriptors(dy, wd, cfg.block_m, cfg.block_n, cfg.block_k)
         return gb._down_dgeglu_ws_kernel.warmup(
             dy_d, wd_d, g_, u_, M, H, D, g_.stride(0), u_.stride(0), TANH=args.approximate == "tanh",
             STAGES=cfg.num_stages, GROUP_M=cfg.group_m, CHUNK=chunk, CONSUMER_REGS=regs, PRODUCER_REGS=40 if cw == 4 else 24,

@@ -176,6 +176,15 @@ def _down_dgeglu_ws_kernel(dy_desc, wd_desc, g_ptr, u_ptr, M, N, K, stride_g, st
     ], [gl.num_warps(), 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
+def descriptors(dy: torch.Tensor, w_down: torch.Tensor, block_m: int, block_n: int, block_k: int):
+    """The kernel's TMA descriptors: dY tiles [block_m, block_k] and Wd tiles [block_k, block_n], wgmma's layouts."""
+    gt = gl.bfloat16 if dy.dtype == torch.bfloat16 else gl.float16
+    a_layout = gl.NVMMASharedLayout.get_default_for([block_m, block_k], gt)
+    b_layout = gl.NVMMASharedLayout.get_default_for([block_k, block_n], gt)
+    return (TensorDescriptor.from_tensor(dy, [block_m, block_k], a_layout),
+            TensorDescriptor.from_tensor(w_down, [block_k, block_n], b_layout))
+
+
 def down_dgeglu_ws(dy: torch.Tensor, w_down: torch.Tensor, g: torch.Tensor, u: torch.Tensor, tanh: bool,
                    block_m: int = 128, block_n: int = 128, block_k: int = 64, stages: int = 4, group_m: int = 8,
                    chunk: int = 32, consumer_regs: int = 232, producer_regs: int = 40, num_sms: int = 0,
@@ -191,11 +200,7 @@ def down_dgeglu_ws(dy: torch.Tensor, w_down: torch.Tensor, g: torch.Tensor, u: t
     Both compiled offline only so far (docs/fused-mlp.md)."""
     M, K = dy.shape
     N = w_down.shape[1]
-    gt = gl.bfloat16 if dy.dtype == torch.bfloat16 else gl.float16
-    a_layout = gl.NVMMASharedLayout.get_default_for([block_m, block_k], gt)
-    b_layout = gl.NVMMASharedLayout.get_default_for([block_k, block_n], gt)
-    dy_desc = TensorDescriptor.from_tensor(dy, [block_m, block_k], a_layout)
-    wd_desc = TensorDescriptor.from_tensor(w_down, [block_k, block_n], b_layout)
+    dy_desc, wd_desc = descriptors(dy, w_down, block_m, block_n, block_k)
     tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
     sms = num_sms or torch.cuda.get_device_properties(dy.device).multi_processor_count
     grid = (min(sms, tiles), )

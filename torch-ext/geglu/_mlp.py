@@ -90,8 +90,6 @@ def applies(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> bool:
 
 def _fused_kernels(x2: Tensor):
     """The fused-MLP kernel module if its Triton kernels take this step (fp16/bf16, enough rows, TMA), else None."""
-    if x2.dtype not in (torch.float16, torch.bfloat16):
-        return None
     from . import _fused_mlp as fm
 
     try:
