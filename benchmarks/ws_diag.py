@@ -7,6 +7,7 @@ each kernel once after compiling (for ``ncu``).
 Dev tool (device); bf16, tanh; do_bench medians with L2 flushed, interleaved rounds.
 
     python benchmarks/ws_diag.py [--build-dir build] [--shapes 8192x2304x9216 8192x4096x14336] [--rounds 5] [--once]
+                                 [--only LABEL-TEXT]
 """
 import argparse
 import importlib
@@ -56,6 +57,8 @@ def main():
     ap.add_argument("--shapes", nargs="+", default=["8192x2304x9216", "8192x4096x14336"])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--once", action="store_true", help="launch each kernel once (after compiling), for ncu")
+    ap.add_argument("--only", default="", help="time or launch only the kernels whose label contains this text "
+                    "(and cuBLAS, the baseline)")
     args = ap.parse_args()
     import kernels
 
@@ -86,6 +89,10 @@ def main():
             "Gluon ws, full, CHUNK 64": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, stages=4, chunk=64),
             "Gluon ws, full, loop_chunks CHUNK 32": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, stages=4,
                                                                               loop_chunks=True),
+            "Gluon ws, loop_chunks, loads/stores only": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, stages=4,
+                                                                                  loop_chunks=True, epi_mode=2),
+            "Gluon ws, loop_chunks, math only (no loads)": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, stages=4,
+                                                                                     loop_chunks=True, epi_mode=3),
             "Gluon ws, full, loop_chunks CHUNK 16": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, stages=4,
                                                                               loop_chunks=True, chunk=16),
             "Gluon ws, full, loop_chunks CHUNK 16, 8-warp consumers": lambda: ws.down_dgeglu_ws(
@@ -95,6 +102,7 @@ def main():
                                                                               group_m=16),
             f"Triton fused backward {kt.BWD_LARGE.label()}": lambda: kt.down_dgeglu_into(dy, wd, g, u, True, False),
         }
+        cands = {k: fn for k, fn in cands.items() if args.only in k or k.startswith("cuBLAS")}
         for fn in cands.values():  # compile
             g.copy_(g0), u.copy_(u0)
             fn()
@@ -103,7 +111,7 @@ def main():
         g.copy_(g0), u.copy_(u0)
         kt.down_dgeglu_into(dy, wd, g, u, True, False)
         ref = g.clone(), u.clone()
-        for chunk, loop, cw in ((16, False, 4), (32, False, 4), (64, False, 4), (32, True, 4), (16, True, 4),
+        for chunk, loop, cw in () if args.once else ((16, False, 4), (32, False, 4), (64, False, 4), (32, True, 4), (16, True, 4),
                                 (16, True, 8)):
             g.copy_(g0), u.copy_(u0)
             ws.down_dgeglu_ws(dy, wd, g, u, True, stages=4, chunk=chunk, loop_chunks=loop, consumer_warps=cw,
