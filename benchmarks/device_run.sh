@@ -8,7 +8,7 @@
 # table alone), gemms (the training step GEMM by GEMM), packed (the packed-weight gate/up kernel probe), bwd (the fused
 # backward and the training step with the fused kernels), ws-test (the Gluon backward's GPU test), ws-diag and
 # ws-ncu (why the Gluon backward is slow: timings, and ncu's speed-of-light and memory sections), ws-stalls (its
-# warp stall reasons), ws-source (ncu's per-instruction SASS stall samples of one variant, WS_ONLY=label text), bench (bf16 with peers and the whole MLP; bench-fast: without max-autotune), bench-other (fp16 and
+# warp stall reasons), ws-source (ncu's per-instruction SASS stall samples of one variant, WS_ONLY=label regex; WS_DIAG_ONLY filters ws-diag alike), bench (bf16 with peers and the whole MLP; bench-fast: without max-autotune), bench-other (fp16 and
 # fp32, ours and eager), profile, sanitize.
 # Each step is time-limited and logged to $OUT/<step>.log; a failing step does not stop the later ones.
 set -u

@@ -7,9 +7,10 @@ each kernel once after compiling (for ``ncu``).
 Dev tool (device); bf16, tanh; do_bench medians with L2 flushed, interleaved rounds.
 
     python benchmarks/ws_diag.py [--build-dir build] [--shapes 8192x2304x9216 8192x4096x14336] [--rounds 5] [--once]
-                                 [--only LABEL-TEXT]
+                                 [--only LABEL-REGEX]
 """
 import argparse
+import re
 import importlib
 import sys
 from pathlib import Path
@@ -57,7 +58,7 @@ def main():
     ap.add_argument("--shapes", nargs="+", default=["8192x2304x9216", "8192x4096x14336"])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--once", action="store_true", help="launch each kernel once (after compiling), for ncu")
-    ap.add_argument("--only", default="", help="time or launch only the kernels whose label contains this text "
+    ap.add_argument("--only", default="", help="time or launch only the kernels whose label matches this regular expression "
                     "(and cuBLAS, the baseline)")
     args = ap.parse_args()
     import kernels
@@ -93,6 +94,12 @@ def main():
                                                                                   loop_chunks=True, epi_mode=2),
             "Gluon ws, loop_chunks, math only (no loads)": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, stages=4,
                                                                                      loop_chunks=True, epi_mode=3),
+            "Gluon ws, full, prefetch CHUNK 32": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, stages=4,
+                                                                           prefetch=True),
+            "Gluon ws, full, prefetch CHUNK 16": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, stages=4,
+                                                                           prefetch=True, chunk=16),
+            "Gluon ws, full, prefetch CHUNK 32, 3 stages": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, stages=3,
+                                                                                     prefetch=True),
             "Gluon ws, full, loop_chunks CHUNK 16": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, stages=4,
                                                                               loop_chunks=True, chunk=16),
             "Gluon ws, full, loop_chunks CHUNK 16, 8-warp consumers": lambda: ws.down_dgeglu_ws(
@@ -102,7 +109,7 @@ def main():
                                                                               group_m=16),
             f"Triton fused backward {kt.BWD_LARGE.label()}": lambda: kt.down_dgeglu_into(dy, wd, g, u, True, False),
         }
-        cands = {k: fn for k, fn in cands.items() if args.only in k or k.startswith("cuBLAS")}
+        cands = {k: fn for k, fn in cands.items() if re.search(args.only, k) or k.startswith("cuBLAS")}
         for fn in cands.values():  # compile
             g.copy_(g0), u.copy_(u0)
             fn()
@@ -111,13 +118,15 @@ def main():
         g.copy_(g0), u.copy_(u0)
         kt.down_dgeglu_into(dy, wd, g, u, True, False)
         ref = g.clone(), u.clone()
-        for chunk, loop, cw in () if args.once else ((16, False, 4), (32, False, 4), (64, False, 4), (32, True, 4), (16, True, 4),
-                                (16, True, 8)):
+        for chunk, loop, cw, pf in () if args.once else ((16, False, 4, False), (32, False, 4, False),
+                                                         (64, False, 4, False), (32, True, 4, False),
+                                                         (16, True, 4, False), (16, True, 8, False),
+                                                         (32, True, 4, True), (16, True, 4, True)):
             g.copy_(g0), u.copy_(u0)
             ws.down_dgeglu_ws(dy, wd, g, u, True, stages=4, chunk=chunk, loop_chunks=loop, consumer_warps=cw,
-                              consumer_regs=232 if cw == 4 else 120)
-            print(f"{shape}: Gluon ws CHUNK {chunk} loop_chunks {loop} consumer warps {cw} equals the Triton fused backward: "
-                  f"{torch.equal(g, ref[0]) and torch.equal(u, ref[1])}", flush=True)
+                              consumer_regs=232 if cw == 4 else 120, prefetch=pf)
+            print(f"{shape}: Gluon ws CHUNK {chunk} loop_chunks {loop} consumer warps {cw} prefetch {pf} equals the "
+                  f"Triton fused backward: {torch.equal(g, ref[0]) and torch.equal(u, ref[1])}", flush=True)
         del ref
         if args.once:
             for k, fn in cands.items():

@@ -51,16 +51,16 @@ def _consumer(a_bufs, b_bufs, ready, empty, order, dh_bufs, g_ptr, u_ptr, M, N, 
               BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, CHUNK: gl.constexpr,
               K_BETA_TANH: gl.constexpr, K_KAPPA: gl.constexpr, K_ALPHA: gl.constexpr,
               K_BETA_ERF: gl.constexpr, K_3KAPPA: gl.constexpr, EPI_MODE: gl.constexpr,
-              LOOP_CHUNKS: gl.constexpr):
+              LOOP_CHUNKS: gl.constexpr, PREFETCH: gl.constexpr):
     CW: gl.constexpr = gl.num_warps()  # 4: one warpgroup; 8: two, each taking 64 rows of the tile
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CW, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
     epi_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [CW, 1], [1, 0])
     T: gl.constexpr = a_bufs.dtype
     NCH: gl.constexpr = BLOCK_M // CHUNK
-    if LOOP_CHUNKS:  # dh_bufs: [2 * NCH, CHUNK, BLOCK_N] row-major; this warpgroup's [BLOCK_M, BLOCK_N] view
-        plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        dh_smem = dh_bufs._reinterpret(T, [2 * BLOCK_M, BLOCK_N], plain).slice(WG * BLOCK_M, BLOCK_M, dim=0)
+    if LOOP_CHUNKS:  # dh_bufs: [2 * NCH, CHUNK, BLOCK_N]; this warpgroup's [BLOCK_M, BLOCK_N] view (same swizzle:
+        # the XOR pattern repeats every 8 rows and CHUNK is a multiple of 8)
+        dh_smem = dh_bufs._reinterpret(T, [2 * BLOCK_M, BLOCK_N], dh_bufs.layout).slice(WG * BLOCK_M, BLOCK_M, dim=0)
     else:
         dh_smem = dh_bufs.index(WG)
     num_pid_m = gl.cdiv(M, BLOCK_M)
@@ -75,6 +75,9 @@ def _consumer(a_bufs, b_bufs, ready, empty, order, dh_bufs, g_ptr, u_ptr, M, N, 
         # one. A stage's `ready` barrier is then at most one phase behind this wait, which its parity needs (a
         # warpgroup starting tiles ahead would see an older phase of the same parity and read a stale stage).
         prev = j - 1 + WG  # the other warpgroup's count at tile t - 1
+        if PREFETCH:  # the epilogue's first g, u chunk: its load latency passes under the main loop
+            g_nxt, u_nxt = _epi_load(pid_m * BLOCK_M, pid_n * BLOCK_N, g_ptr, u_ptr, M, N, stride_g, stride_u, CHUNK,
+                                     BLOCK_N, epi_layout, True)
         mbarrier.wait(order.index(1 - WG), prev & 1, pred=(2 * j + WG) > 0)
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
         for kk in range(k_tiles):
@@ -95,7 +98,16 @@ def _consumer(a_bufs, b_bufs, ready, empty, order, dh_bufs, g_ptr, u_ptr, M, N, 
         # EPI_MODE (diagnostics; 1 is the real epilogue): 0 none, 2 loads and stores with a product for math,
         # 3 the math without the g, u loads
         if EPI_MODE != 0:
-            if LOOP_CHUNKS:  # one copy of the chunk's code (a runtime loop): less for the instruction cache
+            if PREFETCH:  # a runtime loop over the chunks; chunk i + 1's g, u loads are in flight during chunk i
+                for i in range(NCH):
+                    g_cur, u_cur = g_nxt, u_nxt
+                    g_nxt, u_nxt = _epi_load(pid_m * BLOCK_M + (i + 1) * CHUNK, pid_n * BLOCK_N, g_ptr, u_ptr, M, N,
+                                             stride_g, stride_u, CHUNK, BLOCK_N, epi_layout, i + 1 < NCH)
+                    _epi_math_store(dh_bufs.index(WG * NCH + i).load(epi_layout).to(gl.float32), g_cur, u_cur,
+                                    pid_m * BLOCK_M + i * CHUNK, pid_n * BLOCK_N, g_ptr, u_ptr, M, N, stride_g,
+                                    stride_u, T, TANH, CHUNK, BLOCK_N, epi_layout, EPI_MODE, K_BETA_TANH, K_KAPPA,
+                                    K_ALPHA, K_BETA_ERF, K_3KAPPA)
+            elif LOOP_CHUNKS:  # one copy of the chunk's code (a runtime loop): less for the instruction cache
                 for i in range(NCH):
                     _epi_chunk(dh_bufs.index(WG * NCH + i).load(epi_layout).to(gl.float32), pid_m * BLOCK_M + i * CHUNK,
                                pid_n * BLOCK_N, g_ptr, u_ptr, M, N, stride_g, stride_u, T, TANH, CHUNK, BLOCK_N,
@@ -108,24 +120,34 @@ def _consumer(a_bufs, b_bufs, ready, empty, order, dh_bufs, g_ptr, u_ptr, M, N, 
 
 
 @gluon.jit
-def _epi_chunk(dh, row0, col0, g_ptr, u_ptr, M, N, stride_g, stride_u, T: gl.constexpr, TANH: gl.constexpr,
-               CHUNK: gl.constexpr, BLOCK_N: gl.constexpr, epi_layout: gl.constexpr, EPI_MODE: gl.constexpr,
-               K_BETA_TANH: gl.constexpr, K_KAPPA: gl.constexpr, K_ALPHA: gl.constexpr,
-               K_BETA_ERF: gl.constexpr, K_3KAPPA: gl.constexpr):
-    """d_g, d_u of one [CHUNK, BLOCK_N] chunk of d_h (fp32 of the rounded d_h), written over g, u."""
+def _epi_ptrs(row0, col0, g_ptr, u_ptr, M, N, stride_g, stride_u, CHUNK: gl.constexpr, BLOCK_N: gl.constexpr,
+              epi_layout: gl.constexpr):
     rows = row0 + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, epi_layout))
     cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, epi_layout))
     mask = gl.expand_dims(rows < M, 1) & gl.expand_dims(cols < N, 0)
     r64 = gl.expand_dims(rows.to(gl.int64), 1)
     c2 = gl.expand_dims(cols, 0)
-    g_ptrs = g_ptr + r64 * stride_g + c2
-    u_ptrs = u_ptr + r64 * stride_u + c2
-    if EPI_MODE == 3:
-        x = dh
-        uf = dh * 0.5
-    else:
-        x = gl.load(g_ptrs, mask=mask, other=0.0).to(gl.float32)
-        uf = gl.load(u_ptrs, mask=mask, other=0.0).to(gl.float32)
+    return g_ptr + r64 * stride_g + c2, u_ptr + r64 * stride_u + c2, mask
+
+
+@gluon.jit
+def _epi_load(row0, col0, g_ptr, u_ptr, M, N, stride_g, stride_u, CHUNK: gl.constexpr, BLOCK_N: gl.constexpr,
+              epi_layout: gl.constexpr, valid):
+    """g, u of one [CHUNK, BLOCK_N] chunk in the storage dtype (nothing is read where ``valid`` is false)."""
+    g_ptrs, u_ptrs, mask = _epi_ptrs(row0, col0, g_ptr, u_ptr, M, N, stride_g, stride_u, CHUNK, BLOCK_N, epi_layout)
+    mask = mask & valid
+    return gl.load(g_ptrs, mask=mask, other=0.0), gl.load(u_ptrs, mask=mask, other=0.0)
+
+
+@gluon.jit
+def _epi_math_store(dh, gv, uv, row0, col0, g_ptr, u_ptr, M, N, stride_g, stride_u, T: gl.constexpr,
+                    TANH: gl.constexpr, CHUNK: gl.constexpr, BLOCK_N: gl.constexpr, epi_layout: gl.constexpr,
+                    EPI_MODE: gl.constexpr, K_BETA_TANH: gl.constexpr, K_KAPPA: gl.constexpr, K_ALPHA: gl.constexpr,
+                    K_BETA_ERF: gl.constexpr, K_3KAPPA: gl.constexpr):
+    """d_g, d_u of one chunk from d_h (fp32 of the rounded d_h) and its loaded g, u, written over g, u."""
+    g_ptrs, u_ptrs, mask = _epi_ptrs(row0, col0, g_ptr, u_ptr, M, N, stride_g, stride_u, CHUNK, BLOCK_N, epi_layout)
+    x = gv.to(gl.float32)
+    uf = uv.to(gl.float32)
     if EPI_MODE == 2:
         d_up = _round(dh * x, T)
         d_gate = _round(dh * uf, T)
@@ -137,22 +159,39 @@ def _epi_chunk(dh, row0, col0, g_ptr, u_ptr, M, N, stride_g, stride_u, T: gl.con
     gl.store(g_ptrs, d_gate, mask=mask)
     gl.store(u_ptrs, d_up, mask=mask)
 
+
+@gluon.jit
+def _epi_chunk(dh, row0, col0, g_ptr, u_ptr, M, N, stride_g, stride_u, T: gl.constexpr, TANH: gl.constexpr,
+               CHUNK: gl.constexpr, BLOCK_N: gl.constexpr, epi_layout: gl.constexpr, EPI_MODE: gl.constexpr,
+               K_BETA_TANH: gl.constexpr, K_KAPPA: gl.constexpr, K_ALPHA: gl.constexpr,
+               K_BETA_ERF: gl.constexpr, K_3KAPPA: gl.constexpr):
+    """d_g, d_u of one [CHUNK, BLOCK_N] chunk of d_h (fp32 of the rounded d_h), written over g, u."""
+    if EPI_MODE == 3:  # the math without the loads
+        gv = dh
+        uv = dh * 0.5
+    else:
+        gv, uv = _epi_load(row0, col0, g_ptr, u_ptr, M, N, stride_g, stride_u, CHUNK, BLOCK_N, epi_layout, True)
+    _epi_math_store(dh, gv, uv, row0, col0, g_ptr, u_ptr, M, N, stride_g, stride_u, T, TANH, CHUNK, BLOCK_N,
+                    epi_layout, EPI_MODE, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA)
+
+
 @gluon.jit
 def _down_dgeglu_ws_kernel(dy_desc, wd_desc, g_ptr, u_ptr, M, N, K, stride_g, stride_u,
                            TANH: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, CHUNK: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                            K_BETA_TANH: gl.constexpr, K_KAPPA: gl.constexpr, K_ALPHA: gl.constexpr,
                            K_BETA_ERF: gl.constexpr, K_3KAPPA: gl.constexpr, EPI_MODE: gl.constexpr = 1,
-                           LOOP_CHUNKS: gl.constexpr = False):
+                           LOOP_CHUNKS: gl.constexpr = False, PREFETCH: gl.constexpr = False):
     BLOCK_M: gl.constexpr = dy_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = dy_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = wd_desc.block_type.shape[1]
     T: gl.constexpr = dy_desc.dtype
     a_bufs = gl.allocate_shared_memory(T, [STAGES, BLOCK_M, BLOCK_K], dy_desc.layout)
     b_bufs = gl.allocate_shared_memory(T, [STAGES, BLOCK_K, BLOCK_N], wd_desc.layout)
-    if LOOP_CHUNKS:
+    if LOOP_CHUNKS or PREFETCH:  # 16-byte vectors XOR-swizzled by row within 8 rows: stmatrix and the epilogue's
+        # 16-byte row loads without bank conflicts
         dh_bufs = gl.allocate_shared_memory(T, [2 * (BLOCK_M // CHUNK), CHUNK, BLOCK_N],
-                                            gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+                                            gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
     else:
         dh_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], T)
         dh_bufs = gl.allocate_shared_memory(T, [2, BLOCK_M, BLOCK_N], dh_layout)
@@ -167,10 +206,10 @@ def _down_dgeglu_ws_kernel(dy_desc, wd_desc, g_ptr, u_ptr, M, N, K, stride_g, st
     gl.warp_specialize([
         (_consumer, (a_bufs, b_bufs, ready, empty, order, dh_bufs, g_ptr, u_ptr, M, N, K, stride_g, stride_u, 0, TANH,
                      BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, CHUNK, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF,
-                     K_3KAPPA, EPI_MODE, LOOP_CHUNKS)),
+                     K_3KAPPA, EPI_MODE, LOOP_CHUNKS or PREFETCH, PREFETCH)),
         (_consumer, (a_bufs, b_bufs, ready, empty, order, dh_bufs, g_ptr, u_ptr, M, N, K, stride_g, stride_u, 1, TANH,
                      BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, CHUNK, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF,
-                     K_3KAPPA, EPI_MODE, LOOP_CHUNKS)),
+                     K_3KAPPA, EPI_MODE, LOOP_CHUNKS or PREFETCH, PREFETCH)),
         (_producer, (dy_desc, wd_desc, a_bufs, b_bufs, ready, empty, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
                      GROUP_M)),
     ], [gl.num_warps(), 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -188,7 +227,7 @@ def descriptors(dy: torch.Tensor, w_down: torch.Tensor, block_m: int, block_n: i
 def down_dgeglu_ws(dy: torch.Tensor, w_down: torch.Tensor, g: torch.Tensor, u: torch.Tensor, tanh: bool,
                    block_m: int = 128, block_n: int = 128, block_k: int = 64, stages: int = 4, group_m: int = 8,
                    chunk: int = 32, consumer_regs: int = 232, producer_regs: int = 40, num_sms: int = 0,
-                   epi_mode: int = 1, loop_chunks: bool = False, consumer_warps: int = 4):
+                   epi_mode: int = 1, loop_chunks: bool = False, consumer_warps: int = 4, prefetch: bool = False):
     """In place: g, u [M, H] become d_g, d_u for d_h = dy @ w_down (dy [M, D], w_down [D, H]; fp16/bf16, unit
     last-dim strides, 16-byte aligned rows). Returns the compiled kernel. ``epi_mode`` other than 1 is for
     diagnostics (wrong results): 0 stops after staging d_h in shared memory (the GEMM and its pipeline alone), 2 keeps
@@ -197,7 +236,9 @@ def down_dgeglu_ws(dy: torch.Tensor, w_down: torch.Tensor, g: torch.Tensor, u: t
     BLOCK_M / CHUNK: the H200 profile of the unrolled epilogue has instruction fetch as its main stall), through an
     unswizzled staging buffer; ``consumer_warps=8`` gives each consumer two warpgroups (64 rows of the tile each, half
     the epilogue's work a thread; pass ``consumer_regs`` <= 120 so that 2 x 256 + 128 threads fit the register file).
-    Both compiled offline only so far (docs/fused-mlp.md)."""
+    ``prefetch`` (implies ``loop_chunks``) loads each chunk's g, u one chunk ahead, the tile's first chunk before
+    its main loop, so that the loads' latency is hidden (the H200 profile of ``loop_chunks`` waits on them).
+    (docs/fused-mlp.md has the measurements.)"""
     M, K = dy.shape
     N = w_down.shape[1]
     dy_desc, wd_desc = descriptors(dy, w_down, block_m, block_n, block_k)
@@ -208,5 +249,6 @@ def down_dgeglu_ws(dy: torch.Tensor, w_down: torch.Tensor, g: torch.Tensor, u: t
         dy_desc, wd_desc, g, u, M, N, K, g.stride(0), u.stride(0), TANH=tanh, STAGES=stages, GROUP_M=group_m,
         CHUNK=chunk, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, K_BETA_TANH=K_BETA_TANH,
         K_KAPPA=K_KAPPA, K_ALPHA=K_ALPHA, K_BETA_ERF=K_BETA_ERF, K_3KAPPA=K_3KAPPA, EPI_MODE=epi_mode, LOOP_CHUNKS=loop_chunks,
+        PREFETCH=prefetch,
         num_warps=consumer_warps,
         enable_fp_fusion=False)  # eager's bits: FMAs only where written (_triton.py)
