@@ -138,7 +138,7 @@ def main(argv=None) -> int:
             grid=(1,))
 
     def compile_ws_bwd(cfg, mode):
-        epi_mode, loop_chunks, chunk, cw, regs, *rest = mode  # regs: the consumers' setmaxnreg; rest: (prefetch,)
+        epi_mode, loop_chunks, chunk, cw, regs = mode  # regs: the consumers' setmaxnreg
         gb = importlib.import_module(mod.__name__ + "._gluon_bwd")
         g_, u_ = gu[:, :H], gu[:, H:]
         dy_d, wd_d = gb.descriptors(dy, wd, cfg.block_m, cfg.block_n, cfg.block_k)
@@ -146,7 +146,7 @@ def main(argv=None) -> int:
             dy_d, wd_d, g_, u_, M, H, D, g_.stride(0), u_.stride(0), TANH=args.approximate == "tanh",
             STAGES=cfg.num_stages, GROUP_M=cfg.group_m, CHUNK=chunk, CONSUMER_REGS=regs, PRODUCER_REGS=40 if cw == 4 else 24,
             K_BETA_TANH=kt.K_BETA_TANH, K_KAPPA=kt.K_KAPPA, K_ALPHA=kt.K_ALPHA, K_BETA_ERF=kt.K_BETA_ERF,
-            K_3KAPPA=kt.K_3KAPPA, EPI_MODE=epi_mode, LOOP_CHUNKS=loop_chunks, PREFETCH=bool(rest and rest[0]),
+            K_3KAPPA=kt.K_3KAPPA, EPI_MODE=epi_mode, LOOP_CHUNKS=loop_chunks,
             num_warps=cw, enable_fp_fusion=False, grid=(1,))
 
     jobs = []
@@ -156,9 +156,6 @@ def main(argv=None) -> int:
         for chunk in (16, 32):
             jobs.append((f"ws-bwd dgeglu loop_chunks CHUNK {chunk} 128x128x64 s4", kt.Config(128, 128, 64, 8, 4, 4),
                          compile_ws_bwd, (1, True, chunk, 4, 232)))
-        for chunk in (16, 32):
-            jobs.append((f"ws-bwd dgeglu prefetch CHUNK {chunk} 128x128x64 s4", kt.Config(128, 128, 64, 8, 4, 4),
-                         compile_ws_bwd, (1, True, chunk, 4, 232, True)))
         for chunk, regs in ((16, 120), (32, 120), (16, 112)):
             jobs.append((f"ws-bwd dgeglu 8-warp consumers loop_chunks CHUNK {chunk} r{regs}",
                          kt.Config(128, 128, 64, 8, 8, 4), compile_ws_bwd, (1, True, chunk, 8, regs)))

@@ -8,6 +8,7 @@ rounds. The fused backward works in place over g and u, so their values change f
 towards zero; the GEMM's operands dY and Wd stay random); they are restored between rounds.
 
     python benchmarks/bwd_probe.py [--build-dir build] [--shapes 8192x2304x9216 8192x4096x14336] [--rounds 5]
+                                   [--no-sweep] [--compile]
 """
 import argparse
 import importlib
@@ -31,6 +32,7 @@ def main():
     ap.add_argument("--shapes", nargs="+", default=["8192x2304x9216", "8192x4096x14336"])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--no-sweep", action="store_true", help="the default backward config only")
+    ap.add_argument("--compile", action="store_true", help="also time the step of eager's MLP under torch.compile")
     ap.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, a tiny shape: checks the script")
     args = ap.parse_args()
     if args.smoke:
@@ -122,14 +124,15 @@ def _shape(args, shape, kt, pw, mlp):
         restore()
         kt.down_dgeglu_into(dy, wd, g, u, True, False)
         tg, tu = g.clone(), u.clone()
-        for st in (3, 4):
+        for loop in (True, False):
             restore()
-            k = ws.down_dgeglu_ws(dy, wd, g, u, True, stages=st)
-            print(f"  ws bwd (Gluon) stages={st}: max |ws - triton| d_g {(g.float() - tg.float()).abs().max().item():.3e} "
+            k = ws.down_dgeglu_ws(dy, wd, g, u, True, loop_chunks=loop)
+            label = "chunk loop (default)" if loop else "unrolled chunks"
+            print(f"  ws bwd (Gluon) {label}: max |ws - triton| d_g {(g.float() - tg.float()).abs().max().item():.3e} "
                   f"d_u {(u.float() - tu.float()).abs().max().item():.3e}; rel err vs fp32 {_rel(g, ref_dg):.3e} "
                   f"{_rel(u, ref_du):.3e}; regs {k.n_regs} spills {k.n_spills}", flush=True)
-            cands[f"bwd: ws (Gluon) 128x128x64 stages={st}"] = (
-                lambda st=st: ws.down_dgeglu_ws(dy, wd, g, u, True, stages=st), unit)
+            cands[f"bwd: ws (Gluon) 128x128x64, {label}"] = (
+                lambda loop=loop: ws.down_dgeglu_ws(dy, wd, g, u, True, loop_chunks=loop), unit)
         del tg, tu
     cands["fwd: cuBLAS g, u + pointwise GeGLU"] = (
         lambda: (torch.mm(x, wg.t(), out=dg_buf), torch.mm(x, wu.t(), out=du_buf),
@@ -175,19 +178,18 @@ def _shape(args, shape, kt, pw, mlp):
         return torch.autograd.grad(y, leaves, dy)
 
     combos = [(False, False), (False, True), (True, False), (True, True)]
+    if ws is not None:  # FUSED_BACKWARD = "gluon": the warp-specialised Gluon kernel
+        combos += [(False, "gluon"), (True, "gluon")]
     for fwd, bwd in combos:
-        cands[f"step: node fused fwd={int(fwd)} bwd={int(bwd)}"] = (step(fwd, bwd), 9 * unit)
-    if ws is not None:
-        def ws_step():
-            real = kt.down_dgeglu_into
-            kt.down_dgeglu_into = lambda dy_, wd_, g_, u_, tanh, write_h, config=None: ws.down_dgeglu_ws(
-                dy_, wd_, g_, u_, tanh)
-            try:
-                return step(False, True)()
-            finally:
-                kt.down_dgeglu_into = real
-        cands["step: node, backward = ws (Gluon)"] = (ws_step, 9 * unit)
+        cands[f"step: node fused fwd={int(fwd)} bwd={bwd if bwd == 'gluon' else int(bwd)}"] = (step(fwd, bwd), 9 * unit)
     cands["step: eager"] = (eager_step, 9 * unit)
+    if args.compile:  # the best peer in the issue's benchmark: eager's MLP under torch.compile
+        compiled = torch.compile(lambda xx, a, b, c: F.linear(F.gelu(F.linear(xx, a), approximate="tanh")
+                                                              * F.linear(xx, b), c))
+
+        def compile_step():
+            return torch.autograd.grad(compiled(*leaves), leaves, dy)
+        cands["step: torch.compile (eager's MLP)"] = (compile_step, 9 * unit)
 
     ref = [t.float().requires_grad_() for t in leaves]
     y32 = F.linear(F.gelu(F.linear(ref[0], ref[1]), approximate="tanh") * F.linear(ref[0], ref[2]), ref[3])
@@ -204,10 +206,12 @@ def _shape(args, shape, kt, pw, mlp):
 
     times = _rounds(args, cands, restore, rep_ms=300)
     base_s = _median(times["step: eager"])
-    print(f"\n{M}x{D}x{H}: the training step (forward + backward), ratio to eager's step")
+    base_c = _median(times["step: torch.compile (eager's MLP)"]) if args.compile else None
+    print(f"\n{M}x{D}x{H}: the training step (forward + backward), ratio to eager's step"
+          + (" and to torch.compile's" if base_c else ""))
     for k, (fn, flops) in cands.items():
         t = _median(times[k])
-        _row(k, t, times[k], flops, f"{t / base_s:6.3f} of eager")
+        _row(k, t, times[k], flops, f"{t / base_s:6.3f} of eager" + (f" {t / base_c:6.3f} of compile" if base_c else ""))
     mlp.TRAIN_BWD_CONFIG = mlp.TRAIN_FWD_CONFIG = None
 
 

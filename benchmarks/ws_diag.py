@@ -82,31 +82,15 @@ def main():
             "Triton GEMM 128x128x64 w8 s4": lambda: plain_gemm(dy, wd, dh, 128, 128, 64, 8, 4),
             "Triton GEMM 128x256x64 w8 s3": lambda: plain_gemm(dy, wd, dh, 128, 256, 64, 8, 3),
             "Gluon ws, no epilogue, 4 stages": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, stages=4, epi_mode=0),
-            "Gluon ws, epilogue loads/stores only": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, stages=4,
-                                                                              epi_mode=2),
-            "Gluon ws, epilogue math only (no loads)": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, stages=4,
-                                                                                 epi_mode=3),
-            "Gluon ws, full, CHUNK 16": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, stages=4, chunk=16),
-            "Gluon ws, full, CHUNK 64": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, stages=4, chunk=64),
-            "Gluon ws, full, loop_chunks CHUNK 32": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, stages=4,
-                                                                              loop_chunks=True),
-            "Gluon ws, loop_chunks, loads/stores only": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, stages=4,
-                                                                                  loop_chunks=True, epi_mode=2),
-            "Gluon ws, loop_chunks, math only (no loads)": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, stages=4,
-                                                                                     loop_chunks=True, epi_mode=3),
-            "Gluon ws, full, prefetch CHUNK 32": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, stages=4,
-                                                                           prefetch=True),
-            "Gluon ws, full, prefetch CHUNK 16": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, stages=4,
-                                                                           prefetch=True, chunk=16),
-            "Gluon ws, full, prefetch CHUNK 32, 3 stages": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, stages=3,
-                                                                                     prefetch=True),
-            "Gluon ws, full, loop_chunks CHUNK 16": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, stages=4,
-                                                                              loop_chunks=True, chunk=16),
-            "Gluon ws, full, loop_chunks CHUNK 16, 8-warp consumers": lambda: ws.down_dgeglu_ws(
-                dy, wd, g, u, True, stages=4, loop_chunks=True, chunk=16, consumer_warps=8, consumer_regs=120),
-            "Gluon ws, full, 4 stages": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, stages=4),
-            "Gluon ws, full, 4 stages, GROUP_M 16": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, stages=4,
-                                                                              group_m=16),
+            "Gluon ws, full, unrolled chunks (before the loop)": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True,
+                                                                                           loop_chunks=False),
+            "Gluon ws, full (default: CHUNK 32 loop, 4 stages)": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True),
+            "Gluon ws, loads/stores only": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, epi_mode=2),
+            "Gluon ws, math only (no loads)": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, epi_mode=3),
+            "Gluon ws, full, CHUNK 16": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, chunk=16),
+            "Gluon ws, full, GROUP_M 16": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, group_m=16),
+            "Gluon ws, full, CHUNK 16, 8-warp consumers": lambda: ws.down_dgeglu_ws(
+                dy, wd, g, u, True, chunk=16, consumer_warps=8, consumer_regs=120),
             f"Triton fused backward {kt.BWD_LARGE.label()}": lambda: kt.down_dgeglu_into(dy, wd, g, u, True, False),
         }
         cands = {k: fn for k, fn in cands.items() if re.search(args.only, k) or k.startswith("cuBLAS")}
@@ -118,14 +102,12 @@ def main():
         g.copy_(g0), u.copy_(u0)
         kt.down_dgeglu_into(dy, wd, g, u, True, False)
         ref = g.clone(), u.clone()
-        for chunk, loop, cw, pf in () if args.once else ((16, False, 4, False), (32, False, 4, False),
-                                                         (64, False, 4, False), (32, True, 4, False),
-                                                         (16, True, 4, False), (16, True, 8, False),
-                                                         (32, True, 4, True), (16, True, 4, True)):
+        for chunk, loop, cw in () if args.once else ((16, False, 4), (32, False, 4), (64, False, 4),
+                                                     (32, True, 4), (16, True, 4), (16, True, 8)):
             g.copy_(g0), u.copy_(u0)
-            ws.down_dgeglu_ws(dy, wd, g, u, True, stages=4, chunk=chunk, loop_chunks=loop, consumer_warps=cw,
-                              consumer_regs=232 if cw == 4 else 120, prefetch=pf)
-            print(f"{shape}: Gluon ws CHUNK {chunk} loop_chunks {loop} consumer warps {cw} prefetch {pf} equals the "
+            ws.down_dgeglu_ws(dy, wd, g, u, True, chunk=chunk, loop_chunks=loop, consumer_warps=cw,
+                              consumer_regs=232 if cw == 4 else 120)
+            print(f"{shape}: Gluon ws CHUNK {chunk} loop_chunks {loop} consumer warps {cw} equals the "
                   f"Triton fused backward: {torch.equal(g, ref[0]) and torch.equal(u, ref[1])}", flush=True)
         del ref
         if args.once:

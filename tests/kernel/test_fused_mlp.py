@@ -273,12 +273,14 @@ def test_mlp_forward_backward_vs_fp32_reference(fused, dtype, approximate, with_
 
 @pytest.mark.parametrize("approximate", APPROX)
 @pytest.mark.parametrize("dtype", LOW_DTYPES)
-@pytest.mark.parametrize("fwd,bwd", [(True, False), (False, True), (True, True)], ids=["fwd", "bwd", "both"])
+@pytest.mark.parametrize("fwd,bwd", [(True, False), (False, True), (True, True), (False, "gluon")],
+                         ids=["fwd", "bwd", "both", "bwd-gluon"])
 def test_training_node_with_fused_kernels_vs_fp32_reference(geglu, fused, kt, dtype, approximate, fwd, bwd,
                                                              monkeypatch):
     """GeGLUMLP's training node (_mlp.py) with FUSED_FORWARD (gate/up GEMM + GeGLU writing g, u, h) and/or
     FUSED_BACKWARD (dY @ Wd + dGeGLU over g, u): the fused kernels run (counted), and the output and every gradient
-    are no less accurate against an fp32 reference than eager's."""
+    are no less accurate against an fp32 reference than eager's. FUSED_BACKWARD = "gluon" takes the Triton kernel
+    where the Gluon one cannot run (here: no GPU)."""
     mlp = importlib.import_module(geglu.__name__ + "._mlp")
     monkeypatch.setattr(mlp, "FUSED_FORWARD", fwd)
     monkeypatch.setattr(mlp, "FUSED_BACKWARD", bwd)
@@ -289,7 +291,7 @@ def test_training_node_with_fused_kernels_vs_fp32_reference(geglu, fused, kt, dt
     M, D, H = 48, 32, 48
     x, wg, wu, wd = _data(M, D, H, dtype)
     ours = _run(lambda *a: mlp.GeGLUMLPFunction.apply(*a), x.view(3, 16, D), wg, wu, wd, approximate)
-    assert calls == ["gate_up_geglu"] * fwd + ["down_dgeglu_into"] * bwd
+    assert calls == ["gate_up_geglu"] * fwd + ["down_dgeglu_into"] * bool(bwd)
     eager = _run(_eager, x.view(3, 16, D), wg, wu, wd, approximate)
     ref32 = _run(_eager, *(t.float() for t in (x.view(3, 16, D), wg, wu, wd)), approximate)
     assert all(o.dtype == dtype and o.shape == e.shape for o, e in zip(ours, eager))
@@ -442,9 +444,8 @@ def test_gpu_warp_specialised_backward_equals_pointwise(geglu, kt, M, D, H, dtyp
     g0, u0 = gu[:, :H].contiguous(), gu[:, H:].contiguous()
     d_h = (dy.float() @ wd.float()).to(dtype)
     ref_dg, ref_du = geglu.geglu_backward(d_h, g0, u0, approximate)
-    variants = [dict(stages=3), dict(stages=4), dict(stages=4, loop_chunks=True),
-                dict(stages=4, loop_chunks=True, chunk=16),
-                dict(stages=4, loop_chunks=True, chunk=16, consumer_warps=8, consumer_regs=120)]
+    variants = [dict(), dict(stages=3), dict(chunk=16), dict(loop_chunks=False),
+                dict(chunk=16, consumer_warps=8, consumer_regs=120)]
     for v in variants:
         g, u = g0.clone(), u0.clone()
         ws.down_dgeglu_ws(dy, wd, g, u, approximate == "tanh", **v)
@@ -452,6 +453,29 @@ def test_gpu_warp_specialised_backward_equals_pointwise(geglu, kt, M, D, H, dtyp
         assert torch.equal(g, ref_dg) and torch.equal(u, ref_du), (
             f"{v}: max diff d_g "
             f"{(g.float() - ref_dg.float()).abs().max()}, d_u {(u.float() - ref_du.float()).abs().max()}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("M,D,H", [(1000, 320, 1000), (2048, 2304, 9216)])
+def test_gpu_training_node_gluon_backward_equals_triton(geglu, kt, M, D, H, approximate, monkeypatch):
+    """GeGLUMLP's training node with FUSED_BACKWARD = "gluon" runs the Gluon kernel (counted) and gives the output
+    and every gradient of FUSED_BACKWARD = True (the Triton kernel) bit for bit, on fresh random bf16 data."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon backward is written for sm_90 (wgmma, TMA)")
+    mlp = importlib.import_module(geglu.__name__ + "._mlp")
+    ws = importlib.import_module(geglu.__name__ + "._gluon_bwd")
+    calls = []
+    real = ws.down_dgeglu_ws
+    monkeypatch.setattr(ws, "down_dgeglu_ws", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x, wg, wu, wd = _data(M, D, H, torch.bfloat16, device="cuda")
+    results = {}
+    for mode in (True, "gluon"):
+        monkeypatch.setattr(mlp, "FUSED_BACKWARD", mode)
+        results[mode] = _run(lambda *a: mlp.GeGLUMLPFunction.apply(*a), x, wg, wu, wd, approximate)
+    assert len(calls) == 1
+    for name, a, b in zip(["y", "dx", "dw_gate", "dw_up", "dw_down"], results[True], results["gluon"]):
+        assert torch.equal(a, b), f"{name}: max diff {(a.float() - b.float()).abs().max()}"
 
 
 @pytest.mark.gpu

@@ -9,8 +9,13 @@ runs its tile's epilogue, the other's wgmma main loop keeps the tensor cores bus
 the storage dtype, as eager's GEMM stores it) in shared memory and walks it in row chunks with coalesced loads and
 stores, so the accumulator's registers are free for it.
 
-Not used by default: `down_dgeglu_ws` is what `benchmarks/bwd_probe.py` times against the Triton kernel and cuBLAS.
-Needs Triton's Gluon (triton >= 3.5) and sm_90; imported lazily.
+Measured on the H200 (benchmarks/ws_diag.py): the pipeline alone runs at cuBLAS's rate, but the other consumer's
+epilogue slows the main loop down; with the epilogue in a runtime loop the kernel is at 78-81 % of cuBLAS's dY @ Wd at
+8192x2304x9216 (cuBLAS + our pointwise dGeGLU: ~74 %) and 84-86 % at 8192x4096x14336 (~84 %).
+
+Not used by default: GeGLUMLP's training node takes it with `_mlp.FUSED_BACKWARD = "gluon"` (same bits as the Triton
+kernel there); `benchmarks/bwd_probe.py` and `ws_diag.py` time it. Needs Triton's Gluon (triton >= 3.5) and sm_90;
+imported lazily.
 """
 
 import torch
@@ -51,7 +56,7 @@ def _consumer(a_bufs, b_bufs, ready, empty, order, dh_bufs, g_ptr, u_ptr, M, N, 
               BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, CHUNK: gl.constexpr,
               K_BETA_TANH: gl.constexpr, K_KAPPA: gl.constexpr, K_ALPHA: gl.constexpr,
               K_BETA_ERF: gl.constexpr, K_3KAPPA: gl.constexpr, EPI_MODE: gl.constexpr,
-              LOOP_CHUNKS: gl.constexpr, PREFETCH: gl.constexpr):
+              LOOP_CHUNKS: gl.constexpr):
     CW: gl.constexpr = gl.num_warps()  # 4: one warpgroup; 8: two, each taking 64 rows of the tile
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CW, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
@@ -75,9 +80,6 @@ def _consumer(a_bufs, b_bufs, ready, empty, order, dh_bufs, g_ptr, u_ptr, M, N, 
         # one. A stage's `ready` barrier is then at most one phase behind this wait, which its parity needs (a
         # warpgroup starting tiles ahead would see an older phase of the same parity and read a stale stage).
         prev = j - 1 + WG  # the other warpgroup's count at tile t - 1
-        if PREFETCH:  # the epilogue's first g, u chunk: its load latency passes under the main loop
-            g_nxt, u_nxt = _epi_load(pid_m * BLOCK_M, pid_n * BLOCK_N, g_ptr, u_ptr, M, N, stride_g, stride_u, CHUNK,
-                                     BLOCK_N, epi_layout, True)
         mbarrier.wait(order.index(1 - WG), prev & 1, pred=(2 * j + WG) > 0)
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
         for kk in range(k_tiles):
@@ -98,16 +100,7 @@ def _consumer(a_bufs, b_bufs, ready, empty, order, dh_bufs, g_ptr, u_ptr, M, N, 
         # EPI_MODE (diagnostics; 1 is the real epilogue): 0 none, 2 loads and stores with a product for math,
         # 3 the math without the g, u loads
         if EPI_MODE != 0:
-            if PREFETCH:  # a runtime loop over the chunks; chunk i + 1's g, u loads are in flight during chunk i
-                for i in range(NCH):
-                    g_cur, u_cur = g_nxt, u_nxt
-                    g_nxt, u_nxt = _epi_load(pid_m * BLOCK_M + (i + 1) * CHUNK, pid_n * BLOCK_N, g_ptr, u_ptr, M, N,
-                                             stride_g, stride_u, CHUNK, BLOCK_N, epi_layout, i + 1 < NCH)
-                    _epi_math_store(dh_bufs.index(WG * NCH + i).load(epi_layout).to(gl.float32), g_cur, u_cur,
-                                    pid_m * BLOCK_M + i * CHUNK, pid_n * BLOCK_N, g_ptr, u_ptr, M, N, stride_g,
-                                    stride_u, T, TANH, CHUNK, BLOCK_N, epi_layout, EPI_MODE, K_BETA_TANH, K_KAPPA,
-                                    K_ALPHA, K_BETA_ERF, K_3KAPPA)
-            elif LOOP_CHUNKS:  # one copy of the chunk's code (a runtime loop): less for the instruction cache
+            if LOOP_CHUNKS:  # one copy of the chunk's code (a runtime loop): less for the instruction cache
                 for i in range(NCH):
                     _epi_chunk(dh_bufs.index(WG * NCH + i).load(epi_layout).to(gl.float32), pid_m * BLOCK_M + i * CHUNK,
                                pid_n * BLOCK_N, g_ptr, u_ptr, M, N, stride_g, stride_u, T, TANH, CHUNK, BLOCK_N,
@@ -181,14 +174,14 @@ def _down_dgeglu_ws_kernel(dy_desc, wd_desc, g_ptr, u_ptr, M, N, K, stride_g, st
                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                            K_BETA_TANH: gl.constexpr, K_KAPPA: gl.constexpr, K_ALPHA: gl.constexpr,
                            K_BETA_ERF: gl.constexpr, K_3KAPPA: gl.constexpr, EPI_MODE: gl.constexpr = 1,
-                           LOOP_CHUNKS: gl.constexpr = False, PREFETCH: gl.constexpr = False):
+                           LOOP_CHUNKS: gl.constexpr = True):
     BLOCK_M: gl.constexpr = dy_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = dy_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = wd_desc.block_type.shape[1]
     T: gl.constexpr = dy_desc.dtype
     a_bufs = gl.allocate_shared_memory(T, [STAGES, BLOCK_M, BLOCK_K], dy_desc.layout)
     b_bufs = gl.allocate_shared_memory(T, [STAGES, BLOCK_K, BLOCK_N], wd_desc.layout)
-    if LOOP_CHUNKS or PREFETCH:  # 16-byte vectors XOR-swizzled by row within 8 rows: stmatrix and the epilogue's
+    if LOOP_CHUNKS:  # 16-byte vectors XOR-swizzled by row within 8 rows: stmatrix and the epilogue's
         # 16-byte row loads without bank conflicts
         dh_bufs = gl.allocate_shared_memory(T, [2 * (BLOCK_M // CHUNK), CHUNK, BLOCK_N],
                                             gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
@@ -206,10 +199,10 @@ def _down_dgeglu_ws_kernel(dy_desc, wd_desc, g_ptr, u_ptr, M, N, K, stride_g, st
     gl.warp_specialize([
         (_consumer, (a_bufs, b_bufs, ready, empty, order, dh_bufs, g_ptr, u_ptr, M, N, K, stride_g, stride_u, 0, TANH,
                      BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, CHUNK, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF,
-                     K_3KAPPA, EPI_MODE, LOOP_CHUNKS or PREFETCH, PREFETCH)),
+                     K_3KAPPA, EPI_MODE, LOOP_CHUNKS)),
         (_consumer, (a_bufs, b_bufs, ready, empty, order, dh_bufs, g_ptr, u_ptr, M, N, K, stride_g, stride_u, 1, TANH,
                      BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, CHUNK, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF,
-                     K_3KAPPA, EPI_MODE, LOOP_CHUNKS or PREFETCH, PREFETCH)),
+                     K_3KAPPA, EPI_MODE, LOOP_CHUNKS)),
         (_producer, (dy_desc, wd_desc, a_bufs, b_bufs, ready, empty, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
                      GROUP_M)),
     ], [gl.num_warps(), 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -227,18 +220,17 @@ def descriptors(dy: torch.Tensor, w_down: torch.Tensor, block_m: int, block_n: i
 def down_dgeglu_ws(dy: torch.Tensor, w_down: torch.Tensor, g: torch.Tensor, u: torch.Tensor, tanh: bool,
                    block_m: int = 128, block_n: int = 128, block_k: int = 64, stages: int = 4, group_m: int = 8,
                    chunk: int = 32, consumer_regs: int = 232, producer_regs: int = 40, num_sms: int = 0,
-                   epi_mode: int = 1, loop_chunks: bool = False, consumer_warps: int = 4, prefetch: bool = False):
+                   epi_mode: int = 1, loop_chunks: bool = True, consumer_warps: int = 4):
     """In place: g, u [M, H] become d_g, d_u for d_h = dy @ w_down (dy [M, D], w_down [D, H]; fp16/bf16, unit
     last-dim strides, 16-byte aligned rows). Returns the compiled kernel. ``epi_mode`` other than 1 is for
     diagnostics (wrong results): 0 stops after staging d_h in shared memory (the GEMM and its pipeline alone), 2 keeps
     the epilogue's loads and stores with one product for the math, 3 keeps the math without the g, u loads.
-    ``loop_chunks`` walks the epilogue's row chunks in a runtime loop (one copy of their code instead of
-    BLOCK_M / CHUNK: the H200 profile of the unrolled epilogue has instruction fetch as its main stall), through an
-    unswizzled staging buffer; ``consumer_warps=8`` gives each consumer two warpgroups (64 rows of the tile each, half
-    the epilogue's work a thread; pass ``consumer_regs`` <= 120 so that 2 x 256 + 128 threads fit the register file).
-    ``prefetch`` (implies ``loop_chunks``) loads each chunk's g, u one chunk ahead, the tile's first chunk before
-    its main loop, so that the loads' latency is hidden (the H200 profile of ``loop_chunks`` waits on them).
-    (docs/fused-mlp.md has the measurements.)"""
+    ``loop_chunks`` (the default) walks the epilogue's row chunks in a runtime loop, one copy of their code instead of
+    BLOCK_M / CHUNK (the H200 profile of the unrolled epilogue has instruction fetch as its main stall; the loop took
+    the kernel from 58 % to 80 % of cuBLAS's dY @ Wd at 8192x2304x9216), through an XOR-swizzled staging buffer;
+    ``consumer_warps=8`` gives each consumer two warpgroups (64 rows of the tile each, half the epilogue's work a
+    thread; pass ``consumer_regs`` <= 120 so that 2 x 256 + 128 threads fit the register file; slower, 68-79 %).
+    docs/fused-mlp.md has the measurements."""
     M, K = dy.shape
     N = w_down.shape[1]
     dy_desc, wd_desc = descriptors(dy, w_down, block_m, block_n, block_k)
@@ -249,6 +241,5 @@ def down_dgeglu_ws(dy: torch.Tensor, w_down: torch.Tensor, g: torch.Tensor, u: t
         dy_desc, wd_desc, g, u, M, N, K, g.stride(0), u.stride(0), TANH=tanh, STAGES=stages, GROUP_M=group_m,
         CHUNK=chunk, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, K_BETA_TANH=K_BETA_TANH,
         K_KAPPA=K_KAPPA, K_ALPHA=K_ALPHA, K_BETA_ERF=K_BETA_ERF, K_3KAPPA=K_3KAPPA, EPI_MODE=epi_mode, LOOP_CHUNKS=loop_chunks,
-        PREFETCH=prefetch,
         num_warps=consumer_warps,
         enable_fp_fusion=False)  # eager's bits: FMAs only where written (_triton.py)

@@ -42,8 +42,11 @@ from . import _custom_ops as _pw
 # (benchmarks/bwd_probe.py, benchmarks/results/h200/bwd-probe.txt, four runs): the fused forward alone is up to
 # 8.7 % faster than cuBLAS + our GeGLU, but the step moves by -0.6 to +0.4 %; the fused backward is 69.7-81.5 % of
 # cuBLAS's dY @ Wd, slower than cuBLAS + our dGeGLU (71.5-88.6 %), and the step with it 0.5-5 % slower.
+# FUSED_BACKWARD = "gluon": the same backward as the warp-specialised Gluon kernel (`_gluon_bwd.down_dgeglu_ws`, its
+# bits equal the Triton kernel's) on sm_90 where this Triton has Gluon, else the Triton kernel; 78-86 % of cuBLAS's
+# dY @ Wd (docs/fused-mlp.md, "Warp-specialised backward in Gluon").
 FUSED_FORWARD = False
-FUSED_BACKWARD = False
+FUSED_BACKWARD = False  # False, True (Triton) or "gluon"
 TRAIN_FWD_CONFIG = None  # None: the kernel module's choice for the shape
 TRAIN_BWD_CONFIG = None
 
@@ -101,6 +104,32 @@ def _fused_kernels(x2: Tensor):
     return kt if kt.tma_supported(x2.device) else None
 
 
+def _gluon_backward(dev: torch.device):
+    """The Gluon backward kernel's module where it runs (sm_90 and a Triton with Gluon), else None."""
+    if dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] != 9:
+        return None
+    try:
+        from . import _gluon_bwd
+    except ImportError:  # a Triton without Gluon
+        return None
+    return _gluon_bwd
+
+
+def _fused_backward(kt, dev: torch.device):
+    """The backward's `dY @ Wd` + dGeGLU kernel as fn(dy, w_down, g, u, tanh), writing d_g, d_u over g, u."""
+    ws = _gluon_backward(dev) if FUSED_BACKWARD == "gluon" else None
+
+    def run(dy, w_down, g, u, tanh):
+        # the Gluon kernel reads dY and Wd through TMA descriptors (16-byte aligned base and rows); both kernels
+        # give the same bits
+        if ws is not None and dy.shape[0] and all(kt._aligned(t) for t in (dy, w_down, g, u)):
+            with torch.cuda.device(dy.device):
+                ws.down_dgeglu_ws(dy, w_down, g, u, tanh)
+        else:
+            kt.down_dgeglu_into(dy, w_down, g, u, tanh, False, config=TRAIN_BWD_CONFIG)
+    return run
+
+
 class GeGLUMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down, approximate):
@@ -117,7 +146,7 @@ class GeGLUMLPFunction(torch.autograd.Function):
             h = torch.empty_like(g)
             _pw._forward_into(h, g, u, approximate, True)
         y = torch.mm(h, w_down.t())
-        ctx.fused_kernels = kt if FUSED_BACKWARD else None
+        ctx.fused_backward = _fused_backward(kt, x.device) if FUSED_BACKWARD and kt is not None else None
         ctx.approximate = approximate
         ctx.ran = False
         if _hooks_active():
@@ -146,11 +175,10 @@ class GeGLUMLPFunction(torch.autograd.Function):
         need_x, need_wg, need_wu, need_wd = ctx.needs_input_grad[:4]
         dy2 = dy.reshape(-1, dy.shape[-1])
         dwd = torch.mm(dy2.t(), h) if need_wd else None  # h's last reader
-        if ctx.fused_kernels is not None:
+        if ctx.fused_backward is not None:
             del h
-            # d_h = dy @ Wd in a Triton GEMM whose epilogue writes [d_g, d_u] over g and u: no d_h in memory
-            ctx.fused_kernels.down_dgeglu_into(dy2.contiguous(), w_down.contiguous(), g, u, ctx.approximate == "tanh",
-                                               False, config=TRAIN_BWD_CONFIG)
+            # d_h = dy @ Wd in a GEMM whose epilogue writes [d_g, d_u] over g and u: no d_h in memory
+            ctx.fused_backward(dy2.contiguous(), w_down.contiguous(), g, u, ctx.approximate == "tanh")
         else:
             d_h = torch.mm(dy2, w_down, out=h)  # written over h
             del h
