@@ -279,19 +279,22 @@ def test_training_node_with_fused_kernels_vs_fp32_reference(geglu, fused, kt, dt
                                                              monkeypatch):
     """GeGLUMLP's training node (_mlp.py) with FUSED_FORWARD (gate/up GEMM + GeGLU writing g, u, h) and/or
     FUSED_BACKWARD (dY @ Wd + dGeGLU over g, u): the fused kernels run (counted), and the output and every gradient
-    are no less accurate against an fp32 reference than eager's. FUSED_BACKWARD = "gluon" takes the Triton kernel
-    where the Gluon one cannot run (here: no GPU)."""
+    are no less accurate against an fp32 reference than eager's. FUSED_BACKWARD = "gluon" takes the Gluon kernel on
+    sm_90 and the Triton kernel where the Gluon one cannot run (CPU: the Triton interpreter)."""
     mlp = importlib.import_module(geglu.__name__ + "._mlp")
     monkeypatch.setattr(mlp, "FUSED_FORWARD", fwd)
     monkeypatch.setattr(mlp, "FUSED_BACKWARD", bwd)
     calls = []
-    for name in ("gate_up_geglu", "down_dgeglu_into"):
-        real = getattr(kt, name)
-        monkeypatch.setattr(kt, name, lambda *a, _n=name, _r=real, **k: calls.append(_n) or _r(*a, **k))
     M, D, H = 48, 32, 48
     x, wg, wu, wd = _data(M, D, H, dtype)
+    ws = mlp._gluon_backward(x.device) if bwd == "gluon" else None  # the Gluon kernel runs where it can (sm_90)
+    for mod, name in ((kt, "gate_up_geglu"), (kt, "down_dgeglu_into"), (ws, "down_dgeglu_ws")):
+        if mod is not None:
+            real = getattr(mod, name)
+            monkeypatch.setattr(mod, name, lambda *a, _n=name, _r=real, **k: calls.append(_n) or _r(*a, **k))
     ours = _run(lambda *a: mlp.GeGLUMLPFunction.apply(*a), x.view(3, 16, D), wg, wu, wd, approximate)
-    assert calls == ["gate_up_geglu"] * fwd + ["down_dgeglu_into"] * bool(bwd)
+    bwd_kernel = "down_dgeglu_ws" if ws is not None else "down_dgeglu_into"
+    assert calls == ["gate_up_geglu"] * fwd + [bwd_kernel] * bool(bwd)
     eager = _run(_eager, x.view(3, 16, D), wg, wu, wd, approximate)
     ref32 = _run(_eager, *(t.float() for t in (x.view(3, 16, D), wg, wu, wd)), approximate)
     assert all(o.dtype == dtype and o.shape == e.shape for o, e in zip(ours, eager))
