@@ -124,15 +124,15 @@ def _shape(args, shape, kt, pw, mlp):
         restore()
         kt.down_dgeglu_into(dy, wd, g, u, True, False)
         tg, tu = g.clone(), u.clone()
-        for loop in (True, False):
+        for label, kw in (("chunk loop (default)", {}), ("unrolled chunks", dict(loop_chunks=False)),
+                          ("fast dGeGLU", dict(fast=True))):
             restore()
-            k = ws.down_dgeglu_ws(dy, wd, g, u, True, loop_chunks=loop)
-            label = "chunk loop (default)" if loop else "unrolled chunks"
+            k = ws.down_dgeglu_ws(dy, wd, g, u, True, **kw)
             print(f"  ws bwd (Gluon) {label}: max |ws - triton| d_g {(g.float() - tg.float()).abs().max().item():.3e} "
                   f"d_u {(u.float() - tu.float()).abs().max().item():.3e}; rel err vs fp32 {_rel(g, ref_dg):.3e} "
                   f"{_rel(u, ref_du):.3e}; regs {k.n_regs} spills {k.n_spills}", flush=True)
             cands[f"bwd: ws (Gluon) 128x128x64, {label}"] = (
-                lambda loop=loop: ws.down_dgeglu_ws(dy, wd, g, u, True, loop_chunks=loop), unit)
+                lambda kw=kw: ws.down_dgeglu_ws(dy, wd, g, u, True, **kw), unit)
         del tg, tu
     cands["fwd: cuBLAS g, u + pointwise GeGLU"] = (
         lambda: (torch.mm(x, wg.t(), out=dg_buf), torch.mm(x, wu.t(), out=du_buf),
@@ -179,9 +179,9 @@ def _shape(args, shape, kt, pw, mlp):
 
     combos = [(False, False), (False, True), (True, False), (True, True)]
     if ws is not None:  # FUSED_BACKWARD = "gluon": the warp-specialised Gluon kernel
-        combos += [(False, "gluon"), (True, "gluon")]
+        combos += [(False, "gluon"), (True, "gluon"), (False, "gluon-fast"), (True, "gluon-fast")]
     for fwd, bwd in combos:
-        cands[f"step: node fused fwd={int(fwd)} bwd={bwd if bwd == 'gluon' else int(bwd)}"] = (step(fwd, bwd), 9 * unit)
+        cands[f"step: node fused fwd={int(fwd)} bwd={bwd if isinstance(bwd, str) else int(bwd)}"] = (step(fwd, bwd), 9 * unit)
     cands["step: eager"] = (eager_step, 9 * unit)
     if args.compile:  # the best peer in the benchmark: eager's MLP under torch.compile
         compiled = torch.compile(lambda xx, a, b, c: F.linear(F.gelu(F.linear(xx, a), approximate="tanh")

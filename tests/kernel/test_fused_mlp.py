@@ -273,8 +273,8 @@ def test_mlp_forward_backward_vs_fp32_reference(fused, dtype, approximate, with_
 
 @pytest.mark.parametrize("approximate", APPROX)
 @pytest.mark.parametrize("dtype", LOW_DTYPES)
-@pytest.mark.parametrize("fwd,bwd", [(True, False), (False, True), (True, True), (False, "gluon")],
-                         ids=["fwd", "bwd", "both", "bwd-gluon"])
+@pytest.mark.parametrize("fwd,bwd", [(True, False), (False, True), (True, True), (False, "gluon"), (True, "gluon-fast")],
+                         ids=["fwd", "bwd", "both", "bwd-gluon", "both-gluon-fast"])
 def test_training_node_with_fused_kernels_vs_fp32_reference(geglu, fused, kt, dtype, approximate, fwd, bwd,
                                                              monkeypatch):
     """GeGLUMLP's training node (_mlp.py) with FUSED_FORWARD (gate/up GEMM + GeGLU writing g, u, h) and/or
@@ -287,7 +287,7 @@ def test_training_node_with_fused_kernels_vs_fp32_reference(geglu, fused, kt, dt
     calls = []
     M, D, H = 48, 32, 48
     x, wg, wu, wd = _data(M, D, H, dtype)
-    ws = mlp._gluon_backward(x.device) if bwd == "gluon" else None  # the Gluon kernel runs where it can (sm_90)
+    ws = mlp._gluon_backward(x.device) if bwd in ("gluon", "gluon-fast") else None  # the Gluon kernel where it runs
     for mod, name in ((kt, "gate_up_geglu"), (kt, "down_dgeglu_into"), (ws, "down_dgeglu_ws")):
         if mod is not None:
             real = getattr(mod, name)
@@ -457,6 +457,40 @@ def test_gpu_warp_specialised_backward_equals_pointwise(geglu, kt, M, D, H, dtyp
             f"{v}: max diff d_g "
             f"{(g.float() - ref_dg.float()).abs().max()}, d_u {(u.float() - ref_du.float()).abs().max()}")
 
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("M,D,H", [(1000, 320, 1000), (4096, 2304, 9216)])
+def test_gpu_warp_specialised_fast_backward_vs_fp64(geglu, kt, M, D, H, approximate):
+    """The Gluon kernel's fast dGeGLU (`fast=True`, tanh GELU): d_g and d_u against an fp64 reference from the same
+    bf16 dY, Wd, g, u are no less accurate than the exact kernel's (eager's rounding), in norm and at the worst
+    element; with the erf GELU `fast` changes nothing (bit for bit)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon backward is written for sm_90 (wgmma, TMA)")
+    ws = importlib.import_module(geglu.__name__ + "._gluon_bwd")
+    x, wg, wu, wd_t = _data(M, D, H, torch.bfloat16, device="cuda")
+    g0, u0 = F.linear(x, wg), F.linear(x, wu)
+    dy = torch.randn(M, D, generator=torch.Generator(device="cuda").manual_seed(5), device="cuda").bfloat16()
+    wd = wd_t.t().contiguous()  # [D, H]: d_h = dy @ wd
+    out = {}
+    for fast in (False, True):
+        g, u = g0.clone(), u0.clone()
+        ws.down_dgeglu_ws(dy, wd, g, u, approximate == "tanh", fast=fast)
+        out[fast] = (g, u)
+    if approximate == "none":
+        assert all(torch.equal(a, b) for a, b in zip(out[False], out[True]))
+        return
+    dh = dy.double() @ wd.double()
+    gg = g0.double().requires_grad_()
+    ref_dg = torch.autograd.grad(F.gelu(gg, approximate="tanh"), gg, dh * u0.double())[0]
+    ref_du = dh * F.gelu(g0.double(), approximate="tanh")
+    for name, i, ref in (("d_g", 0, ref_dg), ("d_u", 1, ref_du)):
+        exact, fast = out[False][i].double(), out[True][i].double()
+        e_exact, e_fast = (exact - ref).norm().item(), (fast - ref).norm().item()
+        m_exact, m_fast = (exact - ref).abs().max().item(), (fast - ref).abs().max().item()
+        print(f"{M}x{D}x{H} {name}: rel err fast {e_fast / ref.norm().item():.3e} exact {e_exact / ref.norm().item():.3e}; "
+              f"max abs fast {m_fast:.3e} exact {m_exact:.3e}")
+        assert e_fast <= e_exact * 1.001 and m_fast <= m_exact * 1.1, name
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("approximate", APPROX)

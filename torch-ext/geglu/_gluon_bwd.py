@@ -25,7 +25,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ._fused_mlp_triton import _tile_coords
+from ._fused_mlp_triton import _fast_exp2, _fast_rcp, _tile_coords
 from ._triton import K_3KAPPA, K_ALPHA, K_BETA_ERF, K_BETA_TANH, K_KAPPA, _gelu, _gelu_grad, _round
 
 
@@ -56,7 +56,7 @@ def _consumer(a_bufs, b_bufs, ready, empty, order, dh_bufs, g_ptr, u_ptr, M, N, 
               BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, CHUNK: gl.constexpr,
               K_BETA_TANH: gl.constexpr, K_KAPPA: gl.constexpr, K_ALPHA: gl.constexpr,
               K_BETA_ERF: gl.constexpr, K_3KAPPA: gl.constexpr, EPI_MODE: gl.constexpr,
-              LOOP_CHUNKS: gl.constexpr):
+              LOOP_CHUNKS: gl.constexpr, FAST: gl.constexpr, EVEN: gl.constexpr):
     CW: gl.constexpr = gl.num_warps()  # 4: one warpgroup; 8: two, each taking 64 rows of the tile
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CW, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
@@ -104,12 +104,12 @@ def _consumer(a_bufs, b_bufs, ready, empty, order, dh_bufs, g_ptr, u_ptr, M, N, 
                 for i in range(NCH):
                     _epi_chunk(dh_bufs.index(WG * NCH + i).load(epi_layout).to(gl.float32), pid_m * BLOCK_M + i * CHUNK,
                                pid_n * BLOCK_N, g_ptr, u_ptr, M, N, stride_g, stride_u, T, TANH, CHUNK, BLOCK_N,
-                               epi_layout, EPI_MODE, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA)
+                               epi_layout, EPI_MODE, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA, FAST, EVEN)
             else:
                 for r in gl.static_range(0, BLOCK_M, CHUNK):
                     _epi_chunk(dh_smem.slice(r, CHUNK, dim=0).load(epi_layout).to(gl.float32), pid_m * BLOCK_M + r,
                                pid_n * BLOCK_N, g_ptr, u_ptr, M, N, stride_g, stride_u, T, TANH, CHUNK, BLOCK_N,
-                               epi_layout, EPI_MODE, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA)
+                               epi_layout, EPI_MODE, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA, FAST, EVEN)
 
 
 @gluon.jit
@@ -125,10 +125,11 @@ def _epi_ptrs(row0, col0, g_ptr, u_ptr, M, N, stride_g, stride_u, CHUNK: gl.cons
 
 @gluon.jit
 def _epi_load(row0, col0, g_ptr, u_ptr, M, N, stride_g, stride_u, CHUNK: gl.constexpr, BLOCK_N: gl.constexpr,
-              epi_layout: gl.constexpr, valid):
-    """g, u of one [CHUNK, BLOCK_N] chunk in the storage dtype (nothing is read where ``valid`` is false)."""
+              epi_layout: gl.constexpr, EVEN: gl.constexpr):
+    """g, u of one [CHUNK, BLOCK_N] chunk in the storage dtype (EVEN: the tiles divide M and N, no masks)."""
     g_ptrs, u_ptrs, mask = _epi_ptrs(row0, col0, g_ptr, u_ptr, M, N, stride_g, stride_u, CHUNK, BLOCK_N, epi_layout)
-    mask = mask & valid
+    if EVEN:
+        return gl.load(g_ptrs), gl.load(u_ptrs)
     return gl.load(g_ptrs, mask=mask, other=0.0), gl.load(u_ptrs, mask=mask, other=0.0)
 
 
@@ -136,36 +137,52 @@ def _epi_load(row0, col0, g_ptr, u_ptr, M, N, stride_g, stride_u, CHUNK: gl.cons
 def _epi_math_store(dh, gv, uv, row0, col0, g_ptr, u_ptr, M, N, stride_g, stride_u, T: gl.constexpr,
                     TANH: gl.constexpr, CHUNK: gl.constexpr, BLOCK_N: gl.constexpr, epi_layout: gl.constexpr,
                     EPI_MODE: gl.constexpr, K_BETA_TANH: gl.constexpr, K_KAPPA: gl.constexpr, K_ALPHA: gl.constexpr,
-                    K_BETA_ERF: gl.constexpr, K_3KAPPA: gl.constexpr):
-    """d_g, d_u of one chunk from d_h (fp32 of the rounded d_h) and its loaded g, u, written over g, u."""
+                    K_BETA_ERF: gl.constexpr, K_3KAPPA: gl.constexpr, FAST: gl.constexpr, EVEN: gl.constexpr):
+    """d_g, d_u of one chunk from d_h (fp32 of the rounded d_h) and its loaded g, u, written over g, u. FAST (tanh
+    GELU only): fp32 math with the hardware exp2 and reciprocal approximations and one rounding per output, instead
+    of eager's operation order and roundings (about half the instructions; not eager's bits, no less accurate)."""
     g_ptrs, u_ptrs, mask = _epi_ptrs(row0, col0, g_ptr, u_ptr, M, N, stride_g, stride_u, CHUNK, BLOCK_N, epi_layout)
     x = gv.to(gl.float32)
     uf = uv.to(gl.float32)
     if EPI_MODE == 2:
         d_up = _round(dh * x, T)
         d_gate = _round(dh * uf, T)
+    elif FAST and TANH:
+        # s = sigmoid(2 * inner) = (1 + tanh(inner)) / 2: gelu = x * s and
+        # gelu' = s + x * (1 - tanh^2) * inner' / 2 = s + 2 * kBeta * x * s * (1 - s) * (1 + 3 * kKappa * x^2)
+        x2 = x * x
+        z = (-2.0 * K_BETA_TANH * 1.4426950408889634) * x * gl.fma(x2, K_KAPPA, 1.0)  # -2 * inner * log2(e)
+        s = _fast_rcp(1.0 + _fast_exp2(z))
+        d_up = _round(dh * (x * s), T)
+        w = gl.fma(-s, s, s)  # s * (1 - s)
+        gp = gl.fma((2.0 * K_BETA_TANH) * x * w, gl.fma(x2, K_3KAPPA, 1.0), s)
+        d_gate = _round(dh * uf * gp, T)
     else:
         h = _round(_gelu(x, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA), T).to(gl.float32)
         d_up = _round(dh * h, T)
         d_hg = _round(dh * uf, T).to(gl.float32)
         d_gate = _round(d_hg * _gelu_grad(x, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA), T)
-    gl.store(g_ptrs, d_gate, mask=mask)
-    gl.store(u_ptrs, d_up, mask=mask)
+    if EVEN:
+        gl.store(g_ptrs, d_gate)
+        gl.store(u_ptrs, d_up)
+    else:
+        gl.store(g_ptrs, d_gate, mask=mask)
+        gl.store(u_ptrs, d_up, mask=mask)
 
 
 @gluon.jit
 def _epi_chunk(dh, row0, col0, g_ptr, u_ptr, M, N, stride_g, stride_u, T: gl.constexpr, TANH: gl.constexpr,
                CHUNK: gl.constexpr, BLOCK_N: gl.constexpr, epi_layout: gl.constexpr, EPI_MODE: gl.constexpr,
                K_BETA_TANH: gl.constexpr, K_KAPPA: gl.constexpr, K_ALPHA: gl.constexpr,
-               K_BETA_ERF: gl.constexpr, K_3KAPPA: gl.constexpr):
+               K_BETA_ERF: gl.constexpr, K_3KAPPA: gl.constexpr, FAST: gl.constexpr, EVEN: gl.constexpr):
     """d_g, d_u of one [CHUNK, BLOCK_N] chunk of d_h (fp32 of the rounded d_h), written over g, u."""
     if EPI_MODE == 3:  # the math without the loads
         gv = dh
         uv = dh * 0.5
     else:
-        gv, uv = _epi_load(row0, col0, g_ptr, u_ptr, M, N, stride_g, stride_u, CHUNK, BLOCK_N, epi_layout, True)
+        gv, uv = _epi_load(row0, col0, g_ptr, u_ptr, M, N, stride_g, stride_u, CHUNK, BLOCK_N, epi_layout, EVEN)
     _epi_math_store(dh, gv, uv, row0, col0, g_ptr, u_ptr, M, N, stride_g, stride_u, T, TANH, CHUNK, BLOCK_N,
-                    epi_layout, EPI_MODE, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA)
+                    epi_layout, EPI_MODE, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA, FAST, EVEN)
 
 
 @gluon.jit
@@ -174,7 +191,8 @@ def _down_dgeglu_ws_kernel(dy_desc, wd_desc, g_ptr, u_ptr, M, N, K, stride_g, st
                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                            K_BETA_TANH: gl.constexpr, K_KAPPA: gl.constexpr, K_ALPHA: gl.constexpr,
                            K_BETA_ERF: gl.constexpr, K_3KAPPA: gl.constexpr, EPI_MODE: gl.constexpr = 1,
-                           LOOP_CHUNKS: gl.constexpr = True):
+                           LOOP_CHUNKS: gl.constexpr = True, FAST: gl.constexpr = False,
+                           EVEN: gl.constexpr = False):
     BLOCK_M: gl.constexpr = dy_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = dy_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = wd_desc.block_type.shape[1]
@@ -199,10 +217,10 @@ def _down_dgeglu_ws_kernel(dy_desc, wd_desc, g_ptr, u_ptr, M, N, K, stride_g, st
     gl.warp_specialize([
         (_consumer, (a_bufs, b_bufs, ready, empty, order, dh_bufs, g_ptr, u_ptr, M, N, K, stride_g, stride_u, 0, TANH,
                      BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, CHUNK, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF,
-                     K_3KAPPA, EPI_MODE, LOOP_CHUNKS)),
+                     K_3KAPPA, EPI_MODE, LOOP_CHUNKS, FAST, EVEN)),
         (_consumer, (a_bufs, b_bufs, ready, empty, order, dh_bufs, g_ptr, u_ptr, M, N, K, stride_g, stride_u, 1, TANH,
                      BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, CHUNK, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF,
-                     K_3KAPPA, EPI_MODE, LOOP_CHUNKS)),
+                     K_3KAPPA, EPI_MODE, LOOP_CHUNKS, FAST, EVEN)),
         (_producer, (dy_desc, wd_desc, a_bufs, b_bufs, ready, empty, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
                      GROUP_M)),
     ], [gl.num_warps(), 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -220,7 +238,7 @@ def descriptors(dy: torch.Tensor, w_down: torch.Tensor, block_m: int, block_n: i
 def down_dgeglu_ws(dy: torch.Tensor, w_down: torch.Tensor, g: torch.Tensor, u: torch.Tensor, tanh: bool,
                    block_m: int = 128, block_n: int = 128, block_k: int = 64, stages: int = 4, group_m: int = 8,
                    chunk: int = 32, consumer_regs: int = 232, producer_regs: int = 40, num_sms: int = 0,
-                   epi_mode: int = 1, loop_chunks: bool = True, consumer_warps: int = 4):
+                   epi_mode: int = 1, loop_chunks: bool = True, consumer_warps: int = 4, fast: bool = False):
     """In place: g, u [M, H] become d_g, d_u for d_h = dy @ w_down (dy [M, D], w_down [D, H]; fp16/bf16, unit
     last-dim strides, 16-byte aligned rows). Returns the compiled kernel. ``epi_mode`` other than 1 is for
     diagnostics (wrong results): 0 stops after staging d_h in shared memory (the GEMM and its pipeline alone), 2 keeps
@@ -230,6 +248,8 @@ def down_dgeglu_ws(dy: torch.Tensor, w_down: torch.Tensor, g: torch.Tensor, u: t
     the kernel from 58 % to 80 % of cuBLAS's dY @ Wd at 8192x2304x9216), through an XOR-swizzled staging buffer;
     ``consumer_warps=8`` gives each consumer two warpgroups (64 rows of the tile each, half the epilogue's work a
     thread; pass ``consumer_regs`` <= 120 so that 2 x 256 + 128 threads fit the register file; slower, 68-79 %).
+    ``fast`` (tanh GELU): the dGeGLU in fp32 with hardware approximations and one rounding per output (about half
+    the epilogue's instructions; not the Triton kernel's bits, no less accurate against fp32 than eager).
     docs/fused-mlp.md has the measurements."""
     M, K = dy.shape
     N = w_down.shape[1]
@@ -241,5 +261,5 @@ def down_dgeglu_ws(dy: torch.Tensor, w_down: torch.Tensor, g: torch.Tensor, u: t
         dy_desc, wd_desc, g, u, M, N, K, g.stride(0), u.stride(0), TANH=tanh, STAGES=stages, GROUP_M=group_m,
         CHUNK=chunk, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, K_BETA_TANH=K_BETA_TANH,
         K_KAPPA=K_KAPPA, K_ALPHA=K_ALPHA, K_BETA_ERF=K_BETA_ERF, K_3KAPPA=K_3KAPPA, EPI_MODE=epi_mode, LOOP_CHUNKS=loop_chunks,
-        num_warps=consumer_warps,
+        FAST=fast and tanh, EVEN=M % block_m == 0 and N % block_n == 0, num_warps=consumer_warps,
         enable_fp_fusion=False)  # eager's bits: FMAs only where written (_triton.py)

@@ -44,9 +44,10 @@ from . import _custom_ops as _pw
 # cuBLAS's dY @ Wd, slower than cuBLAS + our dGeGLU (71.5-88.6 %), and the step with it 0.5-5 % slower.
 # FUSED_BACKWARD = "gluon": the same backward as the warp-specialised Gluon kernel (`_gluon_bwd.down_dgeglu_ws`, its
 # bits equal the Triton kernel's) on sm_90 where this Triton has Gluon, else the Triton kernel; 78-86 % of cuBLAS's
-# dY @ Wd (docs/fused-mlp.md, "Warp-specialised backward in Gluon").
+# dY @ Wd (docs/fused-mlp.md, "Warp-specialised backward in Gluon"). "gluon-fast": the Gluon kernel with its fast
+# tanh dGeGLU (fp32 math with hardware approximations, one rounding per output; erf GELU: as "gluon").
 FUSED_FORWARD = False
-FUSED_BACKWARD = False  # False, True (Triton) or "gluon"
+FUSED_BACKWARD = False  # False, True (Triton), "gluon" or "gluon-fast"
 TRAIN_FWD_CONFIG = None  # None: the kernel module's choice for the shape
 TRAIN_BWD_CONFIG = None
 
@@ -117,14 +118,15 @@ def _gluon_backward(dev: torch.device):
 
 def _fused_backward(kt, dev: torch.device):
     """The backward's `dY @ Wd` + dGeGLU kernel as fn(dy, w_down, g, u, tanh), writing d_g, d_u over g, u."""
-    ws = _gluon_backward(dev) if FUSED_BACKWARD == "gluon" else None
+    ws = _gluon_backward(dev) if FUSED_BACKWARD in ("gluon", "gluon-fast") else None
+    fast = FUSED_BACKWARD == "gluon-fast"
 
     def run(dy, w_down, g, u, tanh):
-        # the Gluon kernel reads dY and Wd through TMA descriptors (16-byte aligned base and rows); both kernels
-        # give the same bits
+        # the Gluon kernel reads dY and Wd through TMA descriptors (16-byte aligned base and rows); without `fast`
+        # both kernels give the same bits
         if ws is not None and dy.shape[0] and all(kt._aligned(t) for t in (dy, w_down, g, u)):
             with torch.cuda.device(dy.device):
-                ws.down_dgeglu_ws(dy, w_down, g, u, tanh)
+                ws.down_dgeglu_ws(dy, w_down, g, u, tanh, fast=fast)
         else:
             kt.down_dgeglu_into(dy, w_down, g, u, tanh, False, config=TRAIN_BWD_CONFIG)
     return run
