@@ -468,10 +468,9 @@ def test_gpu_warp_specialised_fast_backward_vs_fp64(geglu, kt, M, D, H, approxim
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon backward is written for sm_90 (wgmma, TMA)")
     ws = importlib.import_module(geglu.__name__ + "._gluon_bwd")
-    x, wg, wu, wd_t = _data(M, D, H, torch.bfloat16, device="cuda")
+    x, wg, wu, wd = _data(M, D, H, torch.bfloat16, device="cuda")  # wd [D, H] (nn.Linear(H, D)): d_h = dy @ wd
     g0, u0 = F.linear(x, wg), F.linear(x, wu)
     dy = torch.randn(M, D, generator=torch.Generator(device="cuda").manual_seed(5), device="cuda").bfloat16()
-    wd = wd_t.t().contiguous()  # [D, H]: d_h = dy @ wd
     out = {}
     for fast in (False, True):
         g, u = g0.clone(), u0.clone()
