@@ -6,7 +6,7 @@
 # Steps (in the order given): overhead, autograd, smallm, tune, tests, tests-mlp (the MLP and layer tests),
 # transformers, fused (the fused-kernel sweep at 8192x4096x14336; fused-2304 at 8192x2304x9216), mlp (the whole-MLP
 # table alone), gemms (the training step GEMM by GEMM), packed (the packed-weight gate/up kernel probe), bwd (the fused
-# backward and the training step with the fused kernels; BWD_ARGS passes options, e.g. "--no-sweep --compile"), ws-test (the Gluon backward's GPU tests), node-test (the training node's tests), ws-diag and
+# backward and the training step with the fused kernels; BWD_ARGS passes options, e.g. "--no-sweep --compile"), ws-test (the Gluon backward's GPU tests), node-test (the training node's tests), ws-power (SM clock and power per backward variant), ws-diag and
 # ws-ncu (why the Gluon backward is slow: timings, and ncu's speed-of-light and memory sections), ws-stalls (its
 # warp stall reasons), ws-source (ncu's per-instruction SASS stall samples of one variant, WS_ONLY=label regex; WS_DIAG_ONLY filters ws-diag alike), bench (bf16 with peers and the whole MLP; bench-fast: without max-autotune), bench-other (fp16 and
 # fp32, ours and eager), profile, sanitize.
@@ -60,6 +60,7 @@ for s in "$@"; do
         -k "warp_specialised or gluon_backward" ;;
     node-test) step node-test 200 python3 -m pytest tests/kernel/test_fused_mlp.py -q -x -p no:cacheprovider \
         -k "training_node" ;;
+    ws-power) step ws-power 150 python3 benchmarks/ws_power.py --build-dir build ;;
     ws-diag) step ws-diag 200 python3 benchmarks/ws_diag.py --build-dir build --only "${WS_DIAG_ONLY:-}" ;;
     ws-ncu) TAIL=80 step ws-ncu 240 ncu --section SpeedOfLight --section MemoryWorkloadAnalysis \
         -k regex:'gemm|nvjet|dgeglu' python3 benchmarks/ws_diag.py --build-dir build --once --shapes 8192x2304x9216 ;;
