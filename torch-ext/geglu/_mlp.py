@@ -35,17 +35,17 @@ from . import _custom_ops as _pw
 
 # The fused kernels in the training step, opt-in. FUSED_FORWARD: the gate/up GEMM with the GeGLU in its epilogue,
 # writing g, u and h (`_fused_mlp_triton.gate_up_geglu`, TRAIN_FWD_CONFIG). FUSED_BACKWARD: dY @ Wd with the dGeGLU
-# in its epilogue, writing d_g, d_u over g, u (`down_dgeglu_into`, TRAIN_BWD_CONFIG), so d_h never reaches memory.
-# Either applies only to fp16/bf16 CUDA steps the Triton kernels take (sm_90+ with TMA, more than DECODE_MAX_M rows;
-# or the Triton interpreter in tests), and neither is eager's bits (error against fp32 no worse than eager's:
-# tests/kernel/test_fused_mlp.py). Off by default because the whole step is not faster with them on the H200
-# (benchmarks/bwd_probe.py, benchmarks/results/h200/bwd-probe.txt, four runs): the fused forward alone is up to
-# 8.7 % faster than cuBLAS + our GeGLU, but the step moves by -0.6 to +0.4 %; the fused backward is 69.7-81.5 % of
-# cuBLAS's dY @ Wd, slower than cuBLAS + our dGeGLU (71.5-88.6 %), and the step with it 0.5-5 % slower.
-# FUSED_BACKWARD = "gluon": the same backward as the warp-specialised Gluon kernel (`_gluon_bwd.down_dgeglu_ws`, its
-# bits equal the Triton kernel's) on sm_90 where this Triton has Gluon, else the Triton kernel; 78-86 % of cuBLAS's
-# dY @ Wd (docs/fused-mlp.md, "Warp-specialised backward in Gluon"). "gluon-fast": the Gluon kernel with its fast
-# tanh dGeGLU (fp32 math with hardware approximations, one rounding per output; erf GELU: as "gluon").
+# in its epilogue, writing d_g, d_u over g, u, so d_h never reaches memory: True, the Triton kernel
+# (`down_dgeglu_into`, TRAIN_BWD_CONFIG); "gluon", the warp-specialised Gluon kernel (`_gluon_bwd.down_dgeglu_ws`, the
+# Triton kernel's bits) where it runs (sm_90, a Triton with Gluon, TMA-aligned tensors), else the Triton kernel;
+# "gluon-fast", the same with its fast tanh dGeGLU (fp32 math with hardware approximations, one rounding per output;
+# with the erf GELU as "gluon").
+# They apply only to fp16/bf16 CUDA steps the Triton kernels take (sm_90+ with TMA, more than DECODE_MAX_M rows; or
+# the Triton interpreter in tests), and none is eager's bits (error against fp32 no worse than eager's:
+# tests/kernel/test_fused_mlp.py). Off by default: on the H200 (benchmarks/results/h200/bwd-probe.txt) the Triton
+# backward is slower than cuBLAS + our dGeGLU; the Gluon one is 9-13 % faster at 8192x2304x9216 and 3-4 % at
+# 8192x4096x14336, and with it and the fused forward the step is 1.5-2.2 % faster than torch.compile's (the default
+# node: level with it), a gain within about one rounds' spread that costs eager's bits (docs/fused-mlp.md).
 FUSED_FORWARD = False
 FUSED_BACKWARD = False  # False, True (Triton), "gluon" or "gluon-fast"
 TRAIN_FWD_CONFIG = None  # None: the kernel module's choice for the shape
