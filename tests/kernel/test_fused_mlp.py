@@ -301,6 +301,15 @@ def test_training_node_with_fused_kernels_vs_fp32_reference(geglu, fused, kt, dt
     _assert_no_worse(ours, eager, ref32, 1.5, f"{dtype} {approximate} fwd={fwd} bwd={bwd}")
 
 
+def test_training_node_rejects_an_unknown_fused_backward(geglu, fused, kt, monkeypatch):
+    """A misspelt FUSED_BACKWARD is an error that lists the accepted values, not a silent choice of kernel."""
+    mlp = importlib.import_module(geglu.__name__ + "._mlp")
+    monkeypatch.setattr(mlp, "FUSED_BACKWARD", "glu0n")
+    x, wg, wu, wd = _data(48, 32, 48, torch.bfloat16)
+    with pytest.raises(ValueError, match="'gluon' or 'gluon-fast'"):
+        _run(lambda *a: mlp.GeGLUMLPFunction.apply(*a), x, wg, wu, wd, "tanh")
+
+
 def test_leading_dims_and_inference_mode(geglu, fused):
     """x [B, T, D] works; under no_grad nothing is saved and the output equals the training-mode output."""
     x, wg, wu, wd = _data(2 * 9, 32, 48, torch.bfloat16)

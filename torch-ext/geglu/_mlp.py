@@ -118,6 +118,9 @@ def _gluon_backward(dev: torch.device):
 
 def _fused_backward(kt, dev: torch.device):
     """The backward's `dY @ Wd` + dGeGLU kernel as fn(dy, w_down, g, u, tanh), writing d_g, d_u over g, u."""
+    if FUSED_BACKWARD not in (True, "gluon", "gluon-fast"):
+        raise ValueError(f"geglu._mlp.FUSED_BACKWARD is {FUSED_BACKWARD!r}; expected False (cuBLAS + our dGeGLU), "
+                         "True (the Triton fused kernel), 'gluon' or 'gluon-fast' (the warp-specialised Gluon kernel)")
     ws = _gluon_backward(dev) if FUSED_BACKWARD in ("gluon", "gluon-fast") else None
     fast = FUSED_BACKWARD == "gluon-fast"
 
