@@ -50,6 +50,12 @@ FUSED_FORWARD = False
 FUSED_BACKWARD = False  # False, True (Triton), "gluon" or "gluon-fast"
 TRAIN_FWD_CONFIG = None  # None: the kernel module's choice for the shape
 TRAIN_BWD_CONFIG = None
+GLUON_BWD_OPTIONS: dict = {}  # extra keyword arguments of `_gluon_bwd.down_dgeglu_ws` (benchmarks)
+# ACCUMULATE_DX, opt-in: dx = d_g @ Wg, then d_u @ Wu accumulated into it by the second GEMM (addmm_, one rounding of
+# the fp32 sum) instead of a second [M, D] output and a bf16 add (eager's bits: two roundings, one more kernel and
+# buffer); and where d_g, d_u are the halves of one [M, 2H] buffer (the fused forward), dW_gate and dW_up as one GEMM
+# with N = 2H. Not eager's bits, no less accurate.
+ACCUMULATE_DX = False
 
 _PLAIN = (Tensor, torch.nn.Parameter)
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -129,7 +135,7 @@ def _fused_backward(kt, dev: torch.device):
         # both kernels give the same bits
         if ws is not None and dy.shape[0] and all(kt._aligned(t) for t in (dy, w_down, g, u)):
             with torch.cuda.device(dy.device):
-                ws.down_dgeglu_ws(dy, w_down, g, u, tanh, fast=fast)
+                ws.down_dgeglu_ws(dy, w_down, g, u, tanh, fast=fast, **GLUON_BWD_OPTIONS)
         else:
             kt.down_dgeglu_into(dy, w_down, g, u, tanh, False, config=TRAIN_BWD_CONFIG)
     return run
@@ -189,9 +195,13 @@ class GeGLUMLPFunction(torch.autograd.Function):
             del h
             _pw._backward_into(g, u, d_h, g, u, ctx.approximate)  # [d_g, d_u] written over g and u
             del d_h
+        x2 = x.reshape(-1, x.shape[-1])
+        if ACCUMULATE_DX:
+            held = [g, u]  # the helper's list is then the only reference: it frees d_g after its last GEMM
+            del g, u
+            return _grads_accumulated(held, x, x2, w_gate, w_up, need_x, need_wg, need_wu) + (dwd, None)
         d_g, d_u = g, u
         del g, u
-        x2 = x.reshape(-1, x.shape[-1])
         dx = dwg = dwu = None
         if need_x:
             dx = torch.mm(d_g, w_gate)
@@ -203,6 +213,44 @@ class GeGLUMLPFunction(torch.autograd.Function):
         if need_wu:
             dwu = torch.mm(d_u.t(), x2)
         return dx, dwg, dwu, dwd, None
+
+
+def _packed(d_g: Tensor, d_u: Tensor) -> Optional[Tensor]:
+    """[d_g | d_u] as one [M, 2H] tensor when the two are its column halves (the fused forward's buffer), else None."""
+    M, H = d_g.shape
+    if (d_u.shape == d_g.shape and d_g.stride() == d_u.stride() == (2 * H, 1)
+            and d_u.data_ptr() == d_g.data_ptr() + H * d_g.element_size()):
+        return d_g.as_strided((M, 2 * H), (2 * H, 1))
+    return None
+
+
+def _grads_accumulated(held, x, x2, w_gate, w_up, need_x, need_wg, need_wu):
+    """(dx, dW_gate, dW_up) from held = [d_g, d_u] with ACCUMULATE_DX: x's two gradient terms summed in the second
+    GEMM's fp32 accumulator (addmm_), and the weight gradients as one GEMM with N = 2H where d_g, d_u are the halves of
+    one buffer. Frees d_g after its last GEMM (as the default path does)."""
+    d_g, d_u = held
+    held.clear()
+    dx = dwg = dwu = None
+    if need_x:
+        dx = torch.mm(d_g, w_gate)
+    gu = _packed(d_g, d_u) if need_wg and need_wu else None
+    if gu is not None:
+        H = d_g.shape[1]
+        del d_g
+        if dx is not None:
+            dx.addmm_(d_u, w_up)
+        del d_u
+        dw = torch.mm(gu.t(), x2)  # [2H, D]: rows [0, H) are dW_gate, [H, 2H) dW_up (contiguous halves)
+        return None if dx is None else dx.view(x.shape), dw[:H], dw[H:]
+    if need_wg:
+        dwg = torch.mm(d_g.t(), x2)
+    del d_g
+    if dx is not None:
+        dx.addmm_(d_u, w_up)
+        dx = dx.view(x.shape)
+    if need_wu:
+        dwu = torch.mm(d_u.t(), x2)
+    return dx, dwg, dwu
 
 
 # autograd.Function.apply's Python wrapper (argument binding, functorch checks) is skipped: `applies` has already
@@ -218,4 +266,5 @@ def training_forward(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, ap
     return _apply(x, w_gate, w_up, w_down, approximate)
 
 
-__all__ = ["GeGLUMLPFunction", "applies", "host_bound", "training_forward", "FUSED_FORWARD", "FUSED_BACKWARD"]
+__all__ = ["GeGLUMLPFunction", "applies", "host_bound", "training_forward", "FUSED_FORWARD", "FUSED_BACKWARD",
+           "ACCUMULATE_DX"]
