@@ -125,7 +125,9 @@ def _shape(args, shape, kt, pw, mlp):
         kt.down_dgeglu_into(dy, wd, g, u, True, False)
         tg, tu = g.clone(), u.clone()
         for label, kw in (("chunk loop (default)", {}), ("unrolled chunks", dict(loop_chunks=False)),
-                          ("fast dGeGLU", dict(fast=True))):
+                          ("fast dGeGLU", dict(fast=True)), ("MMA depth 2", dict(mma_depth=2)),
+                          ("fast dGeGLU, MMA depth 2", dict(fast=True, mma_depth=2)),
+                          ("fast dGeGLU, MMA depth 2, 5 stages", dict(fast=True, mma_depth=2, stages=5))):
             restore()
             k = ws.down_dgeglu_ws(dy, wd, g, u, True, **kw)
             print(f"  ws bwd (Gluon) {label}: max |ws - triton| d_g {(g.float() - tg.float()).abs().max().item():.3e} "
@@ -162,14 +164,16 @@ def _shape(args, shape, kt, pw, mlp):
     cands = {}
     leaves = [t.clone().requires_grad_() for t in (x, wg, wu)] + [wd.clone().requires_grad_()]
 
-    def step(fwd, bwd):
+    def step(fwd, bwd, acc=False, opts=None):
         def run():
-            mlp.FUSED_FORWARD, mlp.FUSED_BACKWARD = fwd, bwd
+            mlp.FUSED_FORWARD, mlp.FUSED_BACKWARD, mlp.ACCUMULATE_DX = fwd, bwd, acc
+            mlp.GLUON_BWD_OPTIONS = opts or {}
             try:
                 y = mlp.GeGLUMLPFunction.apply(*leaves, "tanh")
                 return torch.autograd.grad(y, leaves, dy)
             finally:
-                mlp.FUSED_FORWARD = mlp.FUSED_BACKWARD = False
+                mlp.FUSED_FORWARD = mlp.FUSED_BACKWARD = mlp.ACCUMULATE_DX = False
+                mlp.GLUON_BWD_OPTIONS = {}
         return run
 
     def eager_step():
@@ -177,11 +181,17 @@ def _shape(args, shape, kt, pw, mlp):
         y = F.linear(F.gelu(F.linear(xx, a), approximate="tanh") * F.linear(xx, b), c)
         return torch.autograd.grad(y, leaves, dy)
 
-    combos = [(False, False), (False, True), (True, False), (True, True)]
+    # (FUSED_FORWARD, FUSED_BACKWARD, ACCUMULATE_DX, GLUON_BWD_OPTIONS)
+    combos = [(False, False, False, None), (False, True, False, None), (True, False, False, None),
+              (True, True, False, None), (False, False, True, None)]
     if ws is not None:  # FUSED_BACKWARD = "gluon": the warp-specialised Gluon kernel
-        combos += [(False, "gluon"), (True, "gluon"), (False, "gluon-fast"), (True, "gluon-fast")]
-    for fwd, bwd in combos:
-        cands[f"step: node fused fwd={int(fwd)} bwd={bwd if isinstance(bwd, str) else int(bwd)}"] = (step(fwd, bwd), 9 * unit)
+        combos += [(False, "gluon", False, None), (True, "gluon", False, None), (False, "gluon-fast", False, None),
+                   (True, "gluon-fast", False, None), (True, "gluon-fast", True, None),
+                   (True, "gluon-fast", False, dict(mma_depth=2)), (True, "gluon-fast", True, dict(mma_depth=2))]
+    for fwd, bwd, acc, opts in combos:
+        label = (f"step: node fused fwd={int(fwd)} bwd={bwd if isinstance(bwd, str) else int(bwd)}"
+                 + (" acc-dx" if acc else "") + "".join(f" {k}={v}" for k, v in (opts or {}).items()))
+        cands[label] = (step(fwd, bwd, acc, opts), 9 * unit)
     cands["step: eager"] = (eager_step, 9 * unit)
     if args.compile:  # the best peer in the benchmark: eager's MLP under torch.compile
         compiled = torch.compile(lambda xx, a, b, c: F.linear(F.gelu(F.linear(xx, a), approximate="tanh")
