@@ -138,7 +138,7 @@ def main(argv=None) -> int:
             grid=(1,))
 
     def compile_ws_bwd(cfg, mode):
-        epi_mode, loop_chunks, chunk, cw, regs, fast, depth = mode  # regs: the consumers' setmaxnreg; depth: wgmma groups in flight
+        epi_mode, loop_chunks, chunk, cw, regs, fast = mode  # regs: the consumers' setmaxnreg
         gb = importlib.import_module(mod.__name__ + "._gluon_bwd")
         g_, u_ = gu[:, :H], gu[:, H:]
         dy_d, wd_d = gb.descriptors(dy, wd, cfg.block_m, cfg.block_n, cfg.block_k)
@@ -147,31 +147,27 @@ def main(argv=None) -> int:
             STAGES=cfg.num_stages, GROUP_M=cfg.group_m, CHUNK=chunk, CONSUMER_REGS=regs, PRODUCER_REGS=40 if cw == 4 else 24,
             K_BETA_TANH=kt.K_BETA_TANH, K_KAPPA=kt.K_KAPPA, K_ALPHA=kt.K_ALPHA, K_BETA_ERF=kt.K_BETA_ERF,
             K_3KAPPA=kt.K_3KAPPA, EPI_MODE=epi_mode, LOOP_CHUNKS=loop_chunks,
-            FAST=fast, EVEN=M % cfg.block_m == 0 and H % cfg.block_n == 0, MMA_DEPTH=depth, num_warps=cw, enable_fp_fusion=False, grid=(1,))
+            FAST=fast, EVEN=M % cfg.block_m == 0 and H % cfg.block_n == 0, num_warps=cw, enable_fp_fusion=False, grid=(1,))
 
     jobs = []
     if args.kernel == "ws-bwd":
         for cfg in (kt.Config(128, 128, 64, 8, 4, 4), kt.Config(128, 128, 64, 8, 4, 3)):
-            jobs.append((f"ws-bwd dgeglu {cfg.label()}", cfg, compile_ws_bwd, (1, False, 32, 4, 232, False, 1)))
+            jobs.append((f"ws-bwd dgeglu {cfg.label()}", cfg, compile_ws_bwd, (1, False, 32, 4, 232, False)))
         for chunk in (16, 32):
             jobs.append((f"ws-bwd dgeglu loop_chunks CHUNK {chunk} 128x128x64 s4", kt.Config(128, 128, 64, 8, 4, 4),
-                         compile_ws_bwd, (1, True, chunk, 4, 232, False, 1)))
+                         compile_ws_bwd, (1, True, chunk, 4, 232, False)))
         for bk, st, chunk in ((64, 5, 32), (128, 2, 32)):
             jobs.append((f"ws-bwd dgeglu loop_chunks CHUNK {chunk} 128x128x{bk} s{st}",
-                         kt.Config(128, 128, bk, 8, 4, st), compile_ws_bwd, (1, True, chunk, 4, 232, False, 1)))
+                         kt.Config(128, 128, bk, 8, 4, st), compile_ws_bwd, (1, True, chunk, 4, 232, False)))
         for chunk in (32, 64):
             jobs.append((f"ws-bwd dgeglu fast loop_chunks CHUNK {chunk} 128x128x64 s4",
-                         kt.Config(128, 128, 64, 8, 4, 4), compile_ws_bwd, (1, True, chunk, 4, 232, True, 1)))
+                         kt.Config(128, 128, 64, 8, 4, 4), compile_ws_bwd, (1, True, chunk, 4, 232, True)))
         for chunk, regs in ((16, 120), (32, 120), (16, 112)):
             jobs.append((f"ws-bwd dgeglu 8-warp consumers loop_chunks CHUNK {chunk} r{regs}",
-                         kt.Config(128, 128, 64, 8, 8, 4), compile_ws_bwd, (1, True, chunk, 8, regs, False, 1)))
-        for depth, st in ((2, 4), (2, 5)):
-            for fast in (False, True):
-                jobs.append((f"ws-bwd dgeglu{' fast' if fast else ''} loop_chunks CHUNK 32 128x128x64 s{st} mma depth {depth}",
-                             kt.Config(128, 128, 64, 8, 4, st), compile_ws_bwd, (1, True, 32, 4, 232, fast, depth)))
+                         kt.Config(128, 128, 64, 8, 8, 4), compile_ws_bwd, (1, True, chunk, 8, regs, False)))
         for mode in (0, 2, 3):
             jobs.append((f"ws-bwd epi_mode {mode} (diagnostics) 128x128x64 s4", kt.Config(128, 128, 64, 8, 4, 4),
-                         compile_ws_bwd, (mode, False, 32, 4, 232, False, 1)))
+                         compile_ws_bwd, (mode, False, 32, 4, 232, False)))
     if args.kernel in ("paired", "all"):
         for save in ((False, True) if args.save else (False,)):
             for cfg in dict.fromkeys(kt.PAIRED_SWEEP):

@@ -56,7 +56,7 @@ for s in "$@"; do
         --sweep epilogue --no-bwd-sweep --out "$OUT" ;;
     decision) step decision 200 python3 benchmarks/fused_decision.py --build-dir build ;;
     packed) step packed 400 python3 benchmarks/packed_probe.py --build-dir build ;;
-    ws-test) step ws-test 150 python3 -m pytest tests/kernel/test_fused_mlp.py -q -x -p no:cacheprovider \
+    ws-test) step ws-test 300 python3 -m pytest tests/kernel/test_fused_mlp.py -q -x -p no:cacheprovider \
         -k "warp_specialised or gluon_backward" ;;
     node-test) step node-test 200 python3 -m pytest tests/kernel/test_fused_mlp.py -q -x -p no:cacheprovider \
         -k "training_node" ;;

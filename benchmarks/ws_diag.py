@@ -100,13 +100,6 @@ def main():
                                                                                 stages=2),
             "Gluon ws, no epilogue, BLOCK_K 128, 2 stages": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, block_k=128,
                                                                                        stages=2, epi_mode=0),
-            "Gluon ws, full, MMA depth 2": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, mma_depth=2),
-            "Gluon ws, fast dGeGLU, MMA depth 2": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, fast=True, mma_depth=2),
-            "Gluon ws, fast dGeGLU, MMA depth 2, 5 stages": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, fast=True,
-                                                                                      mma_depth=2, stages=5),
-            "Gluon ws, no epilogue, MMA depth 2": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, epi_mode=0, mma_depth=2),
-            "Gluon ws, loads/stores only, MMA depth 2": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, epi_mode=2,
-                                                                                  mma_depth=2),
             f"Triton fused backward {kt.BWD_LARGE.label()}": lambda: kt.down_dgeglu_into(dy, wd, g, u, True, False),
         }
         cands = {k: fn for k, fn in cands.items() if re.search(args.only, k) or k.startswith("cuBLAS")}

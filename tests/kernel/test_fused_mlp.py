@@ -480,13 +480,12 @@ def test_gpu_real_shapes_vs_fp32_reference(geglu, fm, M, D, H, approximate, fuse
 @pytest.mark.gpu
 @pytest.mark.parametrize("approximate", APPROX)
 @pytest.mark.parametrize("dtype", LOW_DTYPES)
-@pytest.mark.parametrize("M,D,H", [(1000, 320, 1000), (1000, 320, 4000), (700, 64, 3000), (4096, 2304, 9216)])
+@pytest.mark.parametrize("M,D,H", [(1000, 320, 1000), (1000, 320, 4000), (4096, 2304, 9216)])
 def test_gpu_warp_specialised_backward_equals_pointwise(geglu, kt, M, D, H, dtype, approximate):
     """The experimental Gluon kernel (_gluon_bwd.py: a TMA producer warp and two consumer warpgroups taking
     alternate tiles): d_g, d_u written over g, u equal our pointwise backward of the same d_h bit for bit (d_h exact
-    by construction), at ragged sizes (one tile a program, then two: both warpgroups; one K step, fewer than the
-    wgmma groups in flight) and at a benchmark size, for 3, 4 and 5 stages, the epilogue's chunks unrolled and in a
-    runtime loop, one or two warpgroups a consumer, one or two wgmma groups in flight."""
+    by construction), at ragged sizes (one tile a program, then two: both warpgroups) and at a benchmark size, for 3
+    and 4 stages, the epilogue's chunks unrolled and in a runtime loop, one or two warpgroups a consumer."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon backward is written for sm_90 (wgmma, TMA)")
     ws = importlib.import_module(geglu.__name__ + "._gluon_bwd")
@@ -495,8 +494,7 @@ def test_gpu_warp_specialised_backward_equals_pointwise(geglu, kt, M, D, H, dtyp
     d_h = (dy.float() @ wd.float()).to(dtype)
     ref_dg, ref_du = geglu.geglu_backward(d_h, g0, u0, approximate)
     variants = [dict(), dict(stages=3), dict(chunk=16), dict(loop_chunks=False),
-                dict(chunk=16, consumer_warps=8, consumer_regs=120), dict(mma_depth=2), dict(mma_depth=2, stages=3),
-                dict(mma_depth=2, stages=5, fast=approximate == "none")]  # fast with erf: the exact dGeGLU
+                dict(chunk=16, consumer_warps=8, consumer_regs=120)]
     for v in variants:
         g, u = g0.clone(), u0.clone()
         ws.down_dgeglu_ws(dy, wd, g, u, approximate == "tanh", **v)

@@ -56,7 +56,7 @@ def _consumer(a_bufs, b_bufs, ready, empty, order, dh_bufs, g_ptr, u_ptr, M, N, 
               BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, CHUNK: gl.constexpr,
               K_BETA_TANH: gl.constexpr, K_KAPPA: gl.constexpr, K_ALPHA: gl.constexpr,
               K_BETA_ERF: gl.constexpr, K_3KAPPA: gl.constexpr, EPI_MODE: gl.constexpr,
-              LOOP_CHUNKS: gl.constexpr, FAST: gl.constexpr, EVEN: gl.constexpr, MMA_DEPTH: gl.constexpr):
+              LOOP_CHUNKS: gl.constexpr, FAST: gl.constexpr, EVEN: gl.constexpr):
     CW: gl.constexpr = gl.num_warps()  # 4: one warpgroup; 8: two, each taking 64 rows of the tile
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CW, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
@@ -86,14 +86,14 @@ def _consumer(a_bufs, b_bufs, ready, empty, order, dh_bufs, g_ptr, u_ptr, M, N, 
             s = c % STAGES
             mbarrier.wait(ready.index(s), (c // STAGES) & 1)
             acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, use_acc=kk > 0, is_async=True)
-            acc = warpgroup_mma_wait(MMA_DEPTH, deps=(acc, ))
-            # the wgmma of the stage MMA_DEPTH back has finished: give that stage back to the producer
-            mbarrier.arrive(empty.index((c + STAGES - MMA_DEPTH) % STAGES), pred=kk >= MMA_DEPTH)
+            acc = warpgroup_mma_wait(1, deps=(acc, ))
+            # the wgmma of the previous stage has finished: give that stage back to the producer (two groups in
+            # flight measured slower: ws-diag.txt run 15)
+            mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), pred=kk > 0)
             c += 1
         mbarrier.arrive(order.index(WG))  # every stage of this tile taken: the other warpgroup's tile may start
         acc = warpgroup_mma_wait(0, deps=(acc, ))
-        for d in gl.static_range(MMA_DEPTH):  # the tile's last stages (as many as it has)
-            mbarrier.arrive(empty.index((c + STAGES - MMA_DEPTH + d) % STAGES), pred=k_tiles >= MMA_DEPTH - d)
+        mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES))
         c += k_tiles  # the other warpgroup's tile
         j += 1
         # Epilogue: d_h as eager's GEMM stores it, staged in shared memory, then walked in row chunks.
@@ -193,7 +193,7 @@ def _down_dgeglu_ws_kernel(dy_desc, wd_desc, g_ptr, u_ptr, M, N, K, stride_g, st
                            K_BETA_TANH: gl.constexpr, K_KAPPA: gl.constexpr, K_ALPHA: gl.constexpr,
                            K_BETA_ERF: gl.constexpr, K_3KAPPA: gl.constexpr, EPI_MODE: gl.constexpr = 1,
                            LOOP_CHUNKS: gl.constexpr = True, FAST: gl.constexpr = False,
-                           EVEN: gl.constexpr = False, MMA_DEPTH: gl.constexpr = 1):
+                           EVEN: gl.constexpr = False):
     BLOCK_M: gl.constexpr = dy_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = dy_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = wd_desc.block_type.shape[1]
@@ -218,10 +218,10 @@ def _down_dgeglu_ws_kernel(dy_desc, wd_desc, g_ptr, u_ptr, M, N, K, stride_g, st
     gl.warp_specialize([
         (_consumer, (a_bufs, b_bufs, ready, empty, order, dh_bufs, g_ptr, u_ptr, M, N, K, stride_g, stride_u, 0, TANH,
                      BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, CHUNK, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF,
-                     K_3KAPPA, EPI_MODE, LOOP_CHUNKS, FAST, EVEN, MMA_DEPTH)),
+                     K_3KAPPA, EPI_MODE, LOOP_CHUNKS, FAST, EVEN)),
         (_consumer, (a_bufs, b_bufs, ready, empty, order, dh_bufs, g_ptr, u_ptr, M, N, K, stride_g, stride_u, 1, TANH,
                      BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, CHUNK, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF,
-                     K_3KAPPA, EPI_MODE, LOOP_CHUNKS, FAST, EVEN, MMA_DEPTH)),
+                     K_3KAPPA, EPI_MODE, LOOP_CHUNKS, FAST, EVEN)),
         (_producer, (dy_desc, wd_desc, a_bufs, b_bufs, ready, empty, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
                      GROUP_M)),
     ], [gl.num_warps(), 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -239,8 +239,7 @@ def descriptors(dy: torch.Tensor, w_down: torch.Tensor, block_m: int, block_n: i
 def down_dgeglu_ws(dy: torch.Tensor, w_down: torch.Tensor, g: torch.Tensor, u: torch.Tensor, tanh: bool,
                    block_m: int = 128, block_n: int = 128, block_k: int = 64, stages: int = 4, group_m: int = 8,
                    chunk: int = 32, consumer_regs: int = 232, producer_regs: int = 40, num_sms: int = 0,
-                   epi_mode: int = 1, loop_chunks: bool = True, consumer_warps: int = 4, fast: bool = False,
-                   mma_depth: int = 1):
+                   epi_mode: int = 1, loop_chunks: bool = True, consumer_warps: int = 4, fast: bool = False):
     """In place: g, u [M, H] become d_g, d_u for d_h = dy @ w_down (dy [M, D], w_down [D, H]; fp16/bf16, unit
     last-dim strides, 16-byte aligned rows). Returns the compiled kernel. ``epi_mode`` other than 1 is for
     diagnostics (wrong results): 0 stops after staging d_h in shared memory (the GEMM and its pipeline alone), 2 keeps
@@ -263,5 +262,5 @@ def down_dgeglu_ws(dy: torch.Tensor, w_down: torch.Tensor, g: torch.Tensor, u: t
         dy_desc, wd_desc, g, u, M, N, K, g.stride(0), u.stride(0), TANH=tanh, STAGES=stages, GROUP_M=group_m,
         CHUNK=chunk, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, K_BETA_TANH=K_BETA_TANH,
         K_KAPPA=K_KAPPA, K_ALPHA=K_ALPHA, K_BETA_ERF=K_BETA_ERF, K_3KAPPA=K_3KAPPA, EPI_MODE=epi_mode, LOOP_CHUNKS=loop_chunks,
-        FAST=fast and tanh, EVEN=M % block_m == 0 and N % block_n == 0, MMA_DEPTH=mma_depth, num_warps=consumer_warps,
+        FAST=fast and tanh, EVEN=M % block_m == 0 and N % block_n == 0, num_warps=consumer_warps,
         enable_fp_fusion=False)  # eager's bits: FMAs only where written (_triton.py)

@@ -50,7 +50,6 @@ FUSED_FORWARD = False
 FUSED_BACKWARD = False  # False, True (Triton), "gluon" or "gluon-fast"
 TRAIN_FWD_CONFIG = None  # None: the kernel module's choice for the shape
 TRAIN_BWD_CONFIG = None
-GLUON_BWD_OPTIONS: dict = {}  # extra keyword arguments of `_gluon_bwd.down_dgeglu_ws` (benchmarks)
 # ACCUMULATE_DX, opt-in: dx = d_g @ Wg, then d_u @ Wu accumulated into it by the second GEMM (addmm_, one rounding of
 # the fp32 sum) instead of a second [M, D] output and a bf16 add (eager's bits: two roundings, one more kernel and
 # buffer); and where d_g, d_u are the halves of one [M, 2H] buffer (the fused forward), dW_gate and dW_up as one GEMM
@@ -135,7 +134,7 @@ def _fused_backward(kt, dev: torch.device):
         # both kernels give the same bits
         if ws is not None and dy.shape[0] and all(kt._aligned(t) for t in (dy, w_down, g, u)):
             with torch.cuda.device(dy.device):
-                ws.down_dgeglu_ws(dy, w_down, g, u, tanh, fast=fast, **GLUON_BWD_OPTIONS)
+                ws.down_dgeglu_ws(dy, w_down, g, u, tanh, fast=fast)
         else:
             kt.down_dgeglu_into(dy, w_down, g, u, tanh, False, config=TRAIN_BWD_CONFIG)
     return run
