@@ -62,8 +62,9 @@ for s in "$@"; do
         -k "training_node" ;;
     ws-power) step ws-power 150 python3 benchmarks/ws_power.py --build-dir build ;;
     ws-diag) step ws-diag 200 python3 benchmarks/ws_diag.py --build-dir build --only "${WS_DIAG_ONLY:-}" ;;
-    ws-ncu) TAIL=80 step ws-ncu 240 ncu --section SpeedOfLight --section MemoryWorkloadAnalysis \
-        -k regex:'gemm|nvjet|dgeglu' python3 benchmarks/ws_diag.py --build-dir build --once --shapes 8192x2304x9216 ;;
+    ws-ncu) TAIL=80 step ws-ncu 300 ncu --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --section ComputeWorkloadAnalysis -k regex:'gemm|nvjet|dgeglu' python3 benchmarks/ws_diag.py --build-dir build \
+        --once --shapes 8192x2304x9216 --only "${WS_DIAG_ONLY:-}" ;;
     ws-stalls) TAIL=200 step ws-stalls 200 ncu --section WarpStateStats --section SchedulerStats \
         -k regex:'down_dgeglu_ws' python3 benchmarks/ws_diag.py --build-dir build --once --shapes 8192x2304x9216 ;;
     ws-source) TAIL=60 step ws-source 240 ncu --section WarpStateStats --section SchedulerStats --section SourceCounters \
