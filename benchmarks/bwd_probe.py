@@ -125,7 +125,7 @@ def _shape(args, shape, kt, pw, mlp):
         kt.down_dgeglu_into(dy, wd, g, u, True, False)
         tg, tu = g.clone(), u.clone()
         for label, kw in (("chunk loop (default)", {}), ("unrolled chunks", dict(loop_chunks=False)),
-                          ("fast dGeGLU", dict(fast=True))):
+                          ("fast dGeGLU", dict(fast=True)), ("deriv (two products)", dict(deriv=True))):
             restore()
             k = ws.down_dgeglu_ws(dy, wd, g, u, True, **kw)
             print(f"  ws bwd (Gluon) {label}: max |ws - triton| d_g {(g.float() - tg.float()).abs().max().item():.3e} "
@@ -140,6 +140,8 @@ def _shape(args, shape, kt, pw, mlp):
     for cfg in (kt.LARGE, kt.PAIRED_LARGE, kt.FAST_LARGE._replace(fast_epi=True)):
         cands[f"fwd: fused save g,u,h {cfg.label()}"] = (
             lambda cfg=cfg: kt.gate_up_geglu(x, wg, wu, True, True, config=cfg), 2 * unit)
+    cands[f"fwd: fused save gelu(g),u*gelu'(g),h {kt.PAIRED_LARGE.label()}"] = (
+        lambda: kt.gate_up_geglu(x, wg, wu, True, True, config=kt.PAIRED_LARGE, deriv=True), 2 * unit)
 
     del dh32, h32, ref_du, ref_dg, gg, dh_c
     torch.cuda.empty_cache()
@@ -162,14 +164,14 @@ def _shape(args, shape, kt, pw, mlp):
     cands = {}
     leaves = [t.clone().requires_grad_() for t in (x, wg, wu)] + [wd.clone().requires_grad_()]
 
-    def step(fwd, bwd, acc):
+    def step(fwd, bwd, acc, deriv):
         def run():
-            mlp.FUSED_FORWARD, mlp.FUSED_BACKWARD, mlp.ACCUMULATE_DX = fwd, bwd, acc
+            mlp.FUSED_FORWARD, mlp.FUSED_BACKWARD, mlp.ACCUMULATE_DX, mlp.SAVE_DERIVATIVE = fwd, bwd, acc, deriv
             try:
                 y = mlp.GeGLUMLPFunction.apply(*leaves, "tanh")
                 return torch.autograd.grad(y, leaves, dy)
             finally:
-                mlp.FUSED_FORWARD = mlp.FUSED_BACKWARD = mlp.ACCUMULATE_DX = False
+                mlp.FUSED_FORWARD = mlp.FUSED_BACKWARD = mlp.ACCUMULATE_DX = mlp.SAVE_DERIVATIVE = False
         return run
 
     def eager_step():
@@ -177,16 +179,18 @@ def _shape(args, shape, kt, pw, mlp):
         y = F.linear(F.gelu(F.linear(xx, a), approximate="tanh") * F.linear(xx, b), c)
         return torch.autograd.grad(y, leaves, dy)
 
-    # (FUSED_FORWARD, FUSED_BACKWARD, ACCUMULATE_DX)
-    combos = [(False, False, False), (False, False, True), (True, False, False)]
+    # (FUSED_FORWARD, FUSED_BACKWARD, ACCUMULATE_DX, SAVE_DERIVATIVE)
+    combos = [(False, False, False, False), (False, False, True, False), (True, False, False, False),
+              (True, False, False, True)]
     if ws is not None:  # FUSED_BACKWARD = "gluon": the warp-specialised Gluon kernel
-        combos += [(True, "gluon", False), (False, "gluon-fast", False), (False, "gluon-fast", True),
-                   (True, "gluon-fast", False), (True, "gluon-fast", True)]
+        combos += [(True, "gluon", False, False), (True, "gluon-fast", False, False), (True, "gluon-fast", True, False),
+                   (True, "gluon", False, True), (True, "gluon", True, True)]
     else:  # the Triton fused backward (slower than cuBLAS + our dGeGLU on the H200: bwd-probe.txt runs 1-8)
-        combos += [(False, True, False), (True, True, False), (True, True, True)]
-    for fwd, bwd, acc in combos:
-        label = f"step: node fused fwd={int(fwd)} bwd={bwd if isinstance(bwd, str) else int(bwd)}" + " acc-dx" * acc
-        cands[label] = (step(fwd, bwd, acc), 9 * unit)
+        combos += [(False, True, False, False), (True, True, False, False), (True, True, True, False)]
+    for fwd, bwd, acc, deriv in combos:
+        label = (f"step: node fused fwd={int(fwd)} bwd={bwd if isinstance(bwd, str) else int(bwd)}"
+                 + " acc-dx" * acc + " deriv" * deriv)
+        cands[label] = (step(fwd, bwd, acc, deriv), 9 * unit)
     cands["step: eager"] = (eager_step, 9 * unit)
     if args.compile:  # the best peer in the issue's benchmark: eager's MLP under torch.compile
         compiled = torch.compile(lambda xx, a, b, c: F.linear(F.gelu(F.linear(xx, a), approximate="tanh")
@@ -217,6 +221,12 @@ def _shape(args, shape, kt, pw, mlp):
     for k, (fn, flops) in cands.items():
         t = _median(times[k])
         _row(k, t, times[k], flops, f"{t / base_s:6.3f} of eager" + (f" {t / base_c:6.3f} of compile" if base_c else ""))
+    if base_c:  # each round's ratio to torch.compile's step in the same round (drift between rounds cancels)
+        comp = times["step: torch.compile (eager's MLP)"]
+        print(f"\n{M}x{D}x{H}: per-round ratio to torch.compile's step in the same round: median [min, max]")
+        for k in cands:
+            r = sorted(a / b for a, b in zip(times[k], comp))
+            print(f"  {k:<58} {_median(r):6.3f}  [{r[0]:.3f}, {r[-1]:.3f}]", flush=True)
     mlp.TRAIN_BWD_CONFIG = mlp.TRAIN_FWD_CONFIG = None
 
 

@@ -273,21 +273,27 @@ def test_mlp_forward_backward_vs_fp32_reference(fused, dtype, approximate, with_
 
 @pytest.mark.parametrize("approximate", APPROX)
 @pytest.mark.parametrize("dtype", LOW_DTYPES)
-@pytest.mark.parametrize("fwd,bwd,acc", [(True, False, False), (False, True, False), (True, True, False),
-                                         (False, "gluon", False), (True, "gluon-fast", False),
-                                         (True, "gluon-fast", True), (False, True, True)],
-                         ids=["fwd", "bwd", "both", "bwd-gluon", "both-gluon-fast", "both-gluon-fast-acc", "bwd-acc"])
+@pytest.mark.parametrize("fwd,bwd,acc,deriv", [(True, False, False, False), (False, True, False, False),
+                                               (True, True, False, False), (False, "gluon", False, False),
+                                               (True, "gluon-fast", False, False), (True, "gluon-fast", True, False),
+                                               (False, True, True, False), (True, False, False, True),
+                                               (True, "gluon", False, True), (True, "gluon-fast", True, True)],
+                         ids=["fwd", "bwd", "both", "bwd-gluon", "both-gluon-fast", "both-gluon-fast-acc", "bwd-acc",
+                              "fwd-deriv", "both-gluon-deriv", "both-gluon-fast-acc-deriv"])
 def test_training_node_with_fused_kernels_vs_fp32_reference(geglu, fused, kt, dtype, approximate, fwd, bwd, acc,
-                                                             monkeypatch):
+                                                             deriv, monkeypatch):
     """GeGLUMLP's training node (_mlp.py) with FUSED_FORWARD (gate/up GEMM + GeGLU writing g, u, h) and/or
-    FUSED_BACKWARD (dY @ Wd + dGeGLU over g, u), and ACCUMULATE_DX (dx summed in the second GEMM; with the fused
-    forward, dW_gate and dW_up as one GEMM): the fused kernels run (counted), and the output and every gradient
-    are no less accurate against an fp32 reference than eager's. FUSED_BACKWARD = "gluon" takes the Gluon kernel on
-    sm_90 and the Triton kernel where the Gluon one cannot run (CPU: the Triton interpreter)."""
+    FUSED_BACKWARD (dY @ Wd + dGeGLU over g, u), ACCUMULATE_DX (dx summed in the second GEMM; with the fused
+    forward, dW_gate and dW_up as one GEMM) and SAVE_DERIVATIVE (the forward saves gelu(g), u * gelu'(g); the
+    backward's dGeGLU is two products): the fused kernels run (counted), and the output and every gradient are no
+    less accurate against an fp32 reference than eager's. FUSED_BACKWARD = "gluon" takes the Gluon kernel on sm_90
+    and the Triton kernel where the Gluon one cannot run (CPU: the Triton interpreter); with SAVE_DERIVATIVE, where
+    the Gluon kernel cannot run, cuBLAS and two products."""
     mlp = importlib.import_module(geglu.__name__ + "._mlp")
     monkeypatch.setattr(mlp, "FUSED_FORWARD", fwd)
     monkeypatch.setattr(mlp, "FUSED_BACKWARD", bwd)
     monkeypatch.setattr(mlp, "ACCUMULATE_DX", acc)
+    monkeypatch.setattr(mlp, "SAVE_DERIVATIVE", deriv)
     calls = []
     M, D, H = 48, 32, 48
     x, wg, wu, wd = _data(M, D, H, dtype)
@@ -298,11 +304,12 @@ def test_training_node_with_fused_kernels_vs_fp32_reference(geglu, fused, kt, dt
             monkeypatch.setattr(mod, name, lambda *a, _n=name, _r=real, **k: calls.append(_n) or _r(*a, **k))
     ours = _run(lambda *a: mlp.GeGLUMLPFunction.apply(*a), x.view(3, 16, D), wg, wu, wd, approximate)
     bwd_kernel = "down_dgeglu_ws" if ws is not None else "down_dgeglu_into"
-    assert calls == ["gate_up_geglu"] * fwd + [bwd_kernel] * bool(bwd)
+    bwd_runs = bool(bwd) and (ws is not None or not deriv)  # the Triton kernel has no derivative-factor epilogue
+    assert calls == ["gate_up_geglu"] * fwd + [bwd_kernel] * bwd_runs
     eager = _run(_eager, x.view(3, 16, D), wg, wu, wd, approximate)
     ref32 = _run(_eager, *(t.float() for t in (x.view(3, 16, D), wg, wu, wd)), approximate)
     assert all(o.dtype == dtype and o.shape == e.shape for o, e in zip(ours, eager))
-    _assert_no_worse(ours, eager, ref32, 1.5, f"{dtype} {approximate} fwd={fwd} bwd={bwd} acc={acc}")
+    _assert_no_worse(ours, eager, ref32, 1.5, f"{dtype} {approximate} fwd={fwd} bwd={bwd} acc={acc} deriv={deriv}")
 
 
 @pytest.mark.parametrize("dtype", LOW_DTYPES)
@@ -324,6 +331,32 @@ def test_accumulated_dx_is_one_rounding_of_both_terms(geglu, dtype, monkeypatch)
     ref32 = _run(_eager, *(t.float() for t in (x, wg, wu, wd)), "tanh")
     err = lambda o: ((o[1].double() - ref32[1].double()).norm() / ref32[1].double().norm()).item()  # noqa: E731
     assert err(ours) <= err(eager_node) * 1.05, (err(ours), err(eager_node))
+
+
+@pytest.mark.parametrize("fast_epi", [False, True], ids=["epi", "fast-epi"])
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+def test_saved_derivative_factors(kt, dtype, approximate, fast_epi):
+    """gate_up_geglu(..., deriv=True) saves [gelu(g) | u * gelu'(g)] of the fp32 pre-activations, each rounded once:
+    against fp64 both are within the storage dtype's rounding of the exact values (elementwise, relative to the
+    factor's scale); with the fast epilogue h is the plain save's, bit for bit (both from the fp32 accumulators)."""
+    M, D, H = 40, 48, 56
+    x, wg, wu, _ = _data(M, D, H, dtype)
+    tanh = approximate == "tanh"
+    cfg = (kt.INTERPRETER if kt.INTERPRET else kt.MEDIUM)._replace(fast_epi=fast_epi)
+    h2, factors = kt.gate_up_geglu(x, wg, wu, tanh, True, config=cfg, deriv=True)
+    h1, _ = kt.gate_up_geglu(x, wg, wu, tanh, True, config=cfg)
+    if fast_epi:
+        assert torch.equal(h1, h2)
+    g64 = x.double() @ wg.double().t()
+    u64 = x.double() @ wu.double().t()
+    gg = g64.clone().requires_grad_()
+    a64 = F.gelu(gg, approximate=approximate)
+    (gp64,) = torch.autograd.grad(a64.sum(), gg)
+    eps = torch.finfo(dtype).eps
+    for name, got, want in (("gelu(g)", factors[:, :H], a64.detach()), ("u * gelu'(g)", factors[:, H:], u64 * gp64)):
+        err = (got.double() - want).abs().max().item() / want.abs().max().item()
+        assert err <= 2 * eps, f"{name}: max error {err:.2e} of its scale (eps {eps:.1e})"
 
 
 def test_packed_gradient_view(geglu):
@@ -485,7 +518,8 @@ def test_gpu_warp_specialised_backward_equals_pointwise(geglu, kt, M, D, H, dtyp
     """The experimental Gluon kernel (_gluon_bwd.py: a TMA producer warp and two consumer warpgroups taking
     alternate tiles): d_g, d_u written over g, u equal our pointwise backward of the same d_h bit for bit (d_h exact
     by construction), at ragged sizes (one tile a program, then two: both warpgroups) and at a benchmark size, for 3
-    and 4 stages, the epilogue's chunks unrolled and in a runtime loop, one or two warpgroups a consumer."""
+    and 4 stages, the epilogue's chunks unrolled and in a runtime loop, one or two warpgroups a consumer; and with
+    ``deriv`` (g, u holding the forward's derivative factors) the two products d_h * u, d_h * g, each rounded once."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon backward is written for sm_90 (wgmma, TMA)")
     ws = importlib.import_module(geglu.__name__ + "._gluon_bwd")
@@ -502,6 +536,11 @@ def test_gpu_warp_specialised_backward_equals_pointwise(geglu, kt, M, D, H, dtyp
         assert torch.equal(g, ref_dg) and torch.equal(u, ref_du), (
             f"{v}: max diff d_g "
             f"{(g.float() - ref_dg.float()).abs().max()}, d_u {(u.float() - ref_du.float()).abs().max()}")
+    # deriv: g, u taken as the forward's factors [gelu(g) | u * gelu'(g)]; the epilogue is two products
+    g, u = g0.clone(), u0.clone()
+    ws.down_dgeglu_ws(dy, wd, g, u, approximate == "tanh", deriv=True)
+    torch.cuda.synchronize()
+    assert torch.equal(g, (d_h.float() * u0.float()).to(dtype)) and torch.equal(u, (d_h.float() * g0.float()).to(dtype))
 
 
 @pytest.mark.gpu

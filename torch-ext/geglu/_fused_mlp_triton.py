@@ -72,11 +72,30 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     return first_m + in_group % rows, in_group // rows
 
 
+# gelu' of the erf GELU in the SAVE = 2 epilogue (constexpr globals: the kernels' signatures stay as they are)
+_K_BETA_ERF = tl.constexpr(K_BETA_ERF)
+_K_3KAPPA = tl.constexpr(K_3KAPPA)
+
+
 @triton.jit
 def _geglu_epilogue(acc_g, acc_u, T: tl.constexpr, TANH: tl.constexpr, SAVE: tl.constexpr, FAST_EPI: tl.constexpr,
                     K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr):
-    """(h, g, u) of a tile from its fp32 gate and up accumulators, h in the storage dtype T; g and u (the rounded
-    pre-activations, for training) are meaningful only with SAVE."""
+    """(h, g, u) of a tile from its fp32 gate and up accumulators, h in the storage dtype T. What g and u hold (for
+    training) depends on SAVE: 0 nothing, 1 the rounded pre-activations, 2 the backward's two factors gelu(g) and
+    u * gelu'(g) (so that the backward's dGeGLU is d_up = d_h * gelu(g), d_gate = d_h * (u * gelu'(g)): two products),
+    from the fp32 accumulators, each rounded once."""
+    if SAVE == 2:
+        x = acc_g
+        if FAST_EPI and TANH:  # s = sigmoid(2 * inner): gelu = x * s, gelu' = s + 2 kBeta x s (1 - s)(1 + 3 kKappa x^2)
+            x2 = x * x
+            z = (2.0 * K_BETA_TANH * 1.4426950408889634) * x * tl.fma(x2, K_KAPPA, 1.0)
+            s = _fast_rcp(1.0 + tl.exp2(-z))
+            h = x * s
+            gp = tl.fma((2.0 * K_BETA_TANH) * x * tl.fma(-s, s, s), tl.fma(x2, _K_3KAPPA, 1.0), s)
+        else:
+            h = _gelu(x, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA)
+            gp = _gelu_grad(x, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA, _K_BETA_ERF, _K_3KAPPA)
+        return _round(h * acc_u, T), _round(h, T), _round(acc_u * gp, T)
     if FAST_EPI:
         # The GeGLU of the fp32 accumulators, rounded once: fewer instructions per output than eager's
         # formulation (an epilogue that is not overlapped with the next tile's main loop costs its full time).
@@ -541,9 +560,11 @@ def tma_supported(device: torch.device) -> bool:
 
 
 def gate_up_geglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, tanh: bool, save: bool,
-                  config: Optional[Config] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                  config: Optional[Config] = None, deriv: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """h = geglu(x @ w_gate^T, x @ w_up^T) for 2-D x [M, D] and weights [H, D] (fp16/bf16, unit last-dim stride,
-    validated by the caller); with ``save`` also gu = [g | u] [M, 2H], the rounded pre-activations."""
+    validated by the caller); with ``save`` also gu = [g | u] [M, 2H], the rounded pre-activations, or with ``deriv``
+    as well [gelu(g) | u * gelu'(g)], the backward's two factors (from the fp32 accumulators, each rounded once)."""
+    save_mode = 2 if save and deriv else int(save)
     M, K = x.shape
     N = w_gate.shape[0]
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
@@ -558,7 +579,7 @@ def gate_up_geglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, tan
     use_tma = cfg.tma and tma_supported(x.device) and all(_aligned(t) for t in tensors)
     layout = pair_layout(w_gate, w_up) if use_tma and cfg.pair else None
     if layout is not None:
-        _launch_paired(x, layout, w_gate, out, g_view, u_view, tanh, save, cfg)
+        _launch_paired(x, layout, w_gate, out, g_view, u_view, tanh, save_mode, cfg)
         return out, gu
     if use_tma:
         bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
@@ -568,14 +589,14 @@ def gate_up_geglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, tan
     else:
         args = list(tensors)
     try:
-        _launch(args, M, N, K, x, w_gate, w_up, out, g_view, u_view, tanh, save, use_tma, cfg)
+        _launch(args, M, N, K, x, w_gate, w_up, out, g_view, u_view, tanh, save_mode, use_tma, cfg)
     except triton.runtime.errors.OutOfResources:
         if config is not None or cfg.num_stages <= 2:
             raise  # an explicit config (benchmarks, tests) reports its failure
         # Too much shared memory for this device (e.g. the epilogue's store staging with save=True): retry with
         # one pipeline stage fewer, down to 2, and remember the working choice for this (M bucket, D, H, dtype).
         TUNED[(m_bucket(M), K, N, x.dtype, save)] = cfg._replace(num_stages=cfg.num_stages - 1)
-        return gate_up_geglu(x, w_gate, w_up, tanh, save)
+        return gate_up_geglu(x, w_gate, w_up, tanh, save, deriv=deriv)
     return out, gu
 
 
@@ -644,7 +665,8 @@ def pair_layout(w_gate: torch.Tensor, w_up: torch.Tensor) -> Optional[PairLayout
 
 
 def paired_gate_up_geglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, tanh: bool, save: bool,
-                         config: Optional[Config] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                         config: Optional[Config] = None, deriv: bool = False
+                         ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """h = geglu(x @ w_gate^T, x @ w_up^T) (and with ``save`` gu = [g | u] [M, 2H]) by the paired kernel: one TMA
     box [2, BLOCK_N, BLOCK_K] loads both weights' tiles into one [2 * BLOCK_N, BLOCK_K] operand, through a
     descriptor that sees the two weights as one strided 3-D tensor (`pair_layout`); no copy. x [M, D] with
@@ -665,7 +687,7 @@ def paired_gate_up_geglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tens
     g_view, u_view = (gu[:, :N], gu[:, N:]) if save else (out, out)
     if not all(_aligned(t) for t in (x, out, g_view, u_view)):
         raise ValueError("paired_gate_up_geglu needs x with 16-byte aligned rows and a unit feature stride.")
-    _launch_paired(x, layout, w_gate, out, g_view, u_view, tanh, save, config or (
+    _launch_paired(x, layout, w_gate, out, g_view, u_view, tanh, 2 if save and deriv else int(save), config or (
         INTERPRETER if INTERPRET else PAIRED_LARGE))
     return out, gu
 

@@ -98,8 +98,8 @@ def _consumer(a_bufs, b_bufs, ready, empty, order, dh_bufs, g_ptr, u_ptr, M, N, 
         j += 1
         # Epilogue: d_h as eager's GEMM stores it, staged in shared memory, then walked in row chunks.
         dh_smem.store(acc.to(T))
-        # EPI_MODE (diagnostics; 1 is the real epilogue): 0 none, 2 loads and stores with a product for math,
-        # 3 the math without the g, u loads
+        # EPI_MODE: 1 the dGeGLU; 2 one product each (d_gate = d_h * u, d_up = d_h * g: the real epilogue when g, u
+        # hold the forward's derivative factors, `deriv`); diagnostics: 0 none, 3 the math without the g, u loads
         if EPI_MODE != 0:
             if LOOP_CHUNKS:  # one copy of the chunk's code (a runtime loop): less for the instruction cache
                 for i in range(NCH):
@@ -239,7 +239,8 @@ def descriptors(dy: torch.Tensor, w_down: torch.Tensor, block_m: int, block_n: i
 def down_dgeglu_ws(dy: torch.Tensor, w_down: torch.Tensor, g: torch.Tensor, u: torch.Tensor, tanh: bool,
                    block_m: int = 128, block_n: int = 128, block_k: int = 64, stages: int = 4, group_m: int = 8,
                    chunk: int = 32, consumer_regs: int = 232, producer_regs: int = 40, num_sms: int = 0,
-                   epi_mode: int = 1, loop_chunks: bool = True, consumer_warps: int = 4, fast: bool = False):
+                   epi_mode: int = 1, loop_chunks: bool = True, consumer_warps: int = 4, fast: bool = False,
+                   deriv: bool = False):
     """In place: g, u [M, H] become d_g, d_u for d_h = dy @ w_down (dy [M, D], w_down [D, H]; fp16/bf16, unit
     last-dim strides, 16-byte aligned rows). Returns the compiled kernel. ``epi_mode`` other than 1 is for
     diagnostics (wrong results): 0 stops after staging d_h in shared memory (the GEMM and its pipeline alone), 2 keeps
@@ -251,6 +252,9 @@ def down_dgeglu_ws(dy: torch.Tensor, w_down: torch.Tensor, g: torch.Tensor, u: t
     thread; pass ``consumer_regs`` <= 120 so that 2 x 256 + 128 threads fit the register file; slower, 68-79 %).
     ``fast`` (tanh GELU): the dGeGLU in fp32 with hardware approximations and one rounding per output (about half
     the epilogue's instructions; not the Triton kernel's bits, no less accurate against fp32 than eager).
+    ``deriv``: g, u hold the forward's [gelu(g) | u * gelu'(g)] (`gate_up_geglu(..., deriv=True)`), and the epilogue
+    is two products, d_gate = d_h * (u * gelu'(g)) and d_up = d_h * gelu(g), each rounded once (the same code as
+    ``epi_mode=2``): the epilogue's math is what slows the other warpgroup's main loop (ws-diag.txt run 16).
     docs/fused-mlp.md has the measurements."""
     M, K = dy.shape
     N = w_down.shape[1]
@@ -261,6 +265,7 @@ def down_dgeglu_ws(dy: torch.Tensor, w_down: torch.Tensor, g: torch.Tensor, u: t
     return _down_dgeglu_ws_kernel[grid](
         dy_desc, wd_desc, g, u, M, N, K, g.stride(0), u.stride(0), TANH=tanh, STAGES=stages, GROUP_M=group_m,
         CHUNK=chunk, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, K_BETA_TANH=K_BETA_TANH,
-        K_KAPPA=K_KAPPA, K_ALPHA=K_ALPHA, K_BETA_ERF=K_BETA_ERF, K_3KAPPA=K_3KAPPA, EPI_MODE=epi_mode, LOOP_CHUNKS=loop_chunks,
+        K_KAPPA=K_KAPPA, K_ALPHA=K_ALPHA, K_BETA_ERF=K_BETA_ERF, K_3KAPPA=K_3KAPPA, EPI_MODE=2 if deriv else epi_mode,
+        LOOP_CHUNKS=loop_chunks,
         FAST=fast and tanh, EVEN=M % block_m == 0 and N % block_n == 0, num_warps=consumer_warps,
         enable_fp_fusion=False)  # eager's bits: FMAs only where written (_triton.py)

@@ -55,6 +55,12 @@ TRAIN_BWD_CONFIG = None
 # buffer); and where d_g, d_u are the halves of one [M, 2H] buffer (the fused forward), dW_gate and dW_up as one GEMM
 # with N = 2H. Not eager's bits, no less accurate.
 ACCUMULATE_DX = False
+# SAVE_DERIVATIVE, opt-in, with FUSED_FORWARD: the forward's epilogue saves gelu(g) and u * gelu'(g) (from its fp32
+# accumulators, each rounded once) instead of g and u, so the backward's dGeGLU is two products, d_up = d_h * gelu(g)
+# and d_gate = d_h * (u * gelu'(g)): in the Gluon kernel's epilogue with FUSED_BACKWARD "gluon"/"gluon-fast" (where
+# it runs), else after cuBLAS's d_h. The math moves to the forward's epilogue, where the sigmoid is already computed;
+# in the Gluon backward it slows the other warpgroup's main loop. Not eager's bits, no less accurate.
+SAVE_DERIVATIVE = False
 
 _PLAIN = (Tensor, torch.nn.Parameter)
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -121,8 +127,10 @@ def _gluon_backward(dev: torch.device):
     return _gluon_bwd
 
 
-def _fused_backward(kt, dev: torch.device):
-    """The backward's `dY @ Wd` + dGeGLU kernel as fn(dy, w_down, g, u, tanh), writing d_g, d_u over g, u."""
+def _fused_backward(kt, dev: torch.device, deriv: bool):
+    """The backward's `dY @ Wd` + dGeGLU kernel as fn(dy, w_down, g, u, tanh) -> bool, writing d_g, d_u over g, u;
+    False where it did not run (with ``deriv``, g, u holding the forward's derivative factors, only the Gluon
+    kernel has that epilogue: elsewhere the caller takes cuBLAS and two products)."""
     if FUSED_BACKWARD not in (True, "gluon", "gluon-fast"):
         raise ValueError(f"geglu._mlp.FUSED_BACKWARD is {FUSED_BACKWARD!r}; expected False (cuBLAS + our dGeGLU), "
                          "True (the Triton fused kernel), 'gluon' or 'gluon-fast' (the warp-specialised Gluon kernel)")
@@ -134,9 +142,12 @@ def _fused_backward(kt, dev: torch.device):
         # both kernels give the same bits
         if ws is not None and dy.shape[0] and all(kt._aligned(t) for t in (dy, w_down, g, u)):
             with torch.cuda.device(dy.device):
-                ws.down_dgeglu_ws(dy, w_down, g, u, tanh, fast=fast)
+                ws.down_dgeglu_ws(dy, w_down, g, u, tanh, fast=fast, deriv=deriv)
+        elif deriv:
+            return False
         else:
             kt.down_dgeglu_into(dy, w_down, g, u, tanh, False, config=TRAIN_BWD_CONFIG)
+        return True
     return run
 
 
@@ -145,10 +156,12 @@ class GeGLUMLPFunction(torch.autograd.Function):
     def forward(ctx, x, w_gate, w_up, w_down, approximate):
         x2 = x.reshape(-1, x.shape[-1])  # what F.linear's matmul does with [..., D]
         kt = _fused_kernels(x2) if (FUSED_FORWARD or FUSED_BACKWARD) else None
+        deriv = False  # whether g, u hold gelu(g) and u * gelu'(g) (SAVE_DERIVATIVE)
         if kt is not None and FUSED_FORWARD:
             H = w_gate.shape[0]
+            deriv = bool(SAVE_DERIVATIVE)
             h, gu = kt.gate_up_geglu(x2.contiguous(), w_gate.contiguous(), w_up.contiguous(), approximate == "tanh",
-                                     True, config=TRAIN_FWD_CONFIG)
+                                     True, config=TRAIN_FWD_CONFIG, deriv=deriv)
             g, u = gu[:, :H], gu[:, H:]
         else:
             g = torch.mm(x2, w_gate.t())
@@ -156,7 +169,8 @@ class GeGLUMLPFunction(torch.autograd.Function):
             h = torch.empty_like(g)
             _pw._forward_into(h, g, u, approximate, True)
         y = torch.mm(h, w_down.t())
-        ctx.fused_backward = _fused_backward(kt, x.device) if FUSED_BACKWARD and kt is not None else None
+        ctx.fused_backward = _fused_backward(kt, x.device, deriv) if FUSED_BACKWARD and kt is not None else None
+        ctx.deriv = deriv
         ctx.approximate = approximate
         ctx.ran = False
         if _hooks_active():
@@ -185,14 +199,19 @@ class GeGLUMLPFunction(torch.autograd.Function):
         need_x, need_wg, need_wu, need_wd = ctx.needs_input_grad[:4]
         dy2 = dy.reshape(-1, dy.shape[-1])
         dwd = torch.mm(dy2.t(), h) if need_wd else None  # h's last reader
-        if ctx.fused_backward is not None:
+        # d_h = dy @ Wd in a GEMM whose epilogue writes [d_g, d_u] over g and u: no d_h in memory
+        if ctx.fused_backward is not None and ctx.fused_backward(dy2.contiguous(), w_down.contiguous(), g, u,
+                                                                 ctx.approximate == "tanh"):
             del h
-            # d_h = dy @ Wd in a GEMM whose epilogue writes [d_g, d_u] over g and u: no d_h in memory
-            ctx.fused_backward(dy2.contiguous(), w_down.contiguous(), g, u, ctx.approximate == "tanh")
         else:
             d_h = torch.mm(dy2, w_down, out=h)  # written over h
             del h
-            _pw._backward_into(g, u, d_h, g, u, ctx.approximate)  # [d_g, d_u] written over g and u
+            if ctx.deriv:  # g, u hold gelu(g), u * gelu'(g): d_gate = d_h * the second, d_up = d_h * the first
+                u.mul_(d_h)
+                g.mul_(d_h)
+                g, u = u, g  # d_g is in u's buffer and d_u in g's (then no packed weight-gradient GEMM)
+            else:
+                _pw._backward_into(g, u, d_h, g, u, ctx.approximate)  # [d_g, d_u] written over g and u
             del d_h
         x2 = x.reshape(-1, x.shape[-1])
         if ACCUMULATE_DX:
@@ -266,4 +285,4 @@ def training_forward(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, ap
 
 
 __all__ = ["GeGLUMLPFunction", "applies", "host_bound", "training_forward", "FUSED_FORWARD", "FUSED_BACKWARD",
-           "ACCUMULATE_DX"]
+           "ACCUMULATE_DX", "SAVE_DERIVATIVE"]
