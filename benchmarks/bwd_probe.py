@@ -180,8 +180,7 @@ def _shape(args, shape, kt, pw, mlp):
         return torch.autograd.grad(y, leaves, dy)
 
     # (FUSED_FORWARD, FUSED_BACKWARD, ACCUMULATE_DX, SAVE_DERIVATIVE)
-    combos = [(False, False, False, False), (False, False, True, False), (True, False, False, False),
-              (True, False, False, True)]
+    combos = [(False, False, False, False), (False, False, True, False), (True, False, False, False)]
     if ws is not None:  # FUSED_BACKWARD = "gluon": the warp-specialised Gluon kernel
         combos += [(True, "gluon", False, False), (True, "gluon-fast", False, False), (True, "gluon-fast", True, False),
                    (True, "gluon", False, True), (True, "gluon", True, True)]

@@ -276,10 +276,10 @@ def test_mlp_forward_backward_vs_fp32_reference(fused, dtype, approximate, with_
 @pytest.mark.parametrize("fwd,bwd,acc,deriv", [(True, False, False, False), (False, True, False, False),
                                                (True, True, False, False), (False, "gluon", False, False),
                                                (True, "gluon-fast", False, False), (True, "gluon-fast", True, False),
-                                               (False, True, True, False), (True, False, False, True),
-                                               (True, "gluon", False, True), (True, "gluon-fast", True, True)],
+                                               (False, True, True, False), (True, "gluon", False, True),
+                                               (True, "gluon-fast", True, True)],
                          ids=["fwd", "bwd", "both", "bwd-gluon", "both-gluon-fast", "both-gluon-fast-acc", "bwd-acc",
-                              "fwd-deriv", "both-gluon-deriv", "both-gluon-fast-acc-deriv"])
+                              "both-gluon-deriv", "both-gluon-fast-acc-deriv"])
 def test_training_node_with_fused_kernels_vs_fp32_reference(geglu, fused, kt, dtype, approximate, fwd, bwd, acc,
                                                              deriv, monkeypatch):
     """GeGLUMLP's training node (_mlp.py) with FUSED_FORWARD (gate/up GEMM + GeGLU writing g, u, h) and/or
@@ -287,8 +287,8 @@ def test_training_node_with_fused_kernels_vs_fp32_reference(geglu, fused, kt, dt
     forward, dW_gate and dW_up as one GEMM) and SAVE_DERIVATIVE (the forward saves gelu(g), u * gelu'(g); the
     backward's dGeGLU is two products): the fused kernels run (counted), and the output and every gradient are no
     less accurate against an fp32 reference than eager's. FUSED_BACKWARD = "gluon" takes the Gluon kernel on sm_90
-    and the Triton kernel where the Gluon one cannot run (CPU: the Triton interpreter); with SAVE_DERIVATIVE, where
-    the Gluon kernel cannot run, cuBLAS and two products."""
+    and the Triton kernel where the Gluon one cannot run (CPU: the Triton interpreter; there SAVE_DERIVATIVE is
+    ignored)."""
     mlp = importlib.import_module(geglu.__name__ + "._mlp")
     monkeypatch.setattr(mlp, "FUSED_FORWARD", fwd)
     monkeypatch.setattr(mlp, "FUSED_BACKWARD", bwd)
@@ -304,8 +304,7 @@ def test_training_node_with_fused_kernels_vs_fp32_reference(geglu, fused, kt, dt
             monkeypatch.setattr(mod, name, lambda *a, _n=name, _r=real, **k: calls.append(_n) or _r(*a, **k))
     ours = _run(lambda *a: mlp.GeGLUMLPFunction.apply(*a), x.view(3, 16, D), wg, wu, wd, approximate)
     bwd_kernel = "down_dgeglu_ws" if ws is not None else "down_dgeglu_into"
-    bwd_runs = bool(bwd) and (ws is not None or not deriv)  # the Triton kernel has no derivative-factor epilogue
-    assert calls == ["gate_up_geglu"] * fwd + [bwd_kernel] * bwd_runs
+    assert calls == ["gate_up_geglu"] * fwd + [bwd_kernel] * bool(bwd)
     eager = _run(_eager, x.view(3, 16, D), wg, wu, wd, approximate)
     ref32 = _run(_eager, *(t.float() for t in (x.view(3, 16, D), wg, wu, wd)), approximate)
     assert all(o.dtype == dtype and o.shape == e.shape for o, e in zip(ours, eager))
@@ -575,6 +574,39 @@ def test_gpu_warp_specialised_fast_backward_vs_fp64(geglu, kt, M, D, H, approxim
         print(f"{M}x{D}x{H} {name}: rel err fast {e_fast / ref.norm().item():.3e} exact {e_exact / ref.norm().item():.3e}; "
               f"max abs fast {m_fast:.3e} exact {m_exact:.3e}")
         assert e_fast <= e_exact * 1.001 and m_fast <= m_exact * 1.1, name
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("approximate", APPROX)
+def test_gpu_training_node_saved_derivative_unaligned_dy(geglu, kt, approximate, monkeypatch):
+    """SAVE_DERIVATIVE with the Gluon backward, but a dY the Gluon kernel cannot take (not 16-byte aligned): the
+    forward has already saved the derivative factors, so the node takes cuBLAS's d_h and two products (the Gluon
+    kernel does not run), and the output and every gradient are still no less accurate than eager's."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon backward is written for sm_90 (wgmma, TMA)")
+    mlp = importlib.import_module(geglu.__name__ + "._mlp")
+    ws = importlib.import_module(geglu.__name__ + "._gluon_bwd")
+    for name, value in (("FUSED_FORWARD", True), ("FUSED_BACKWARD", "gluon"), ("SAVE_DERIVATIVE", True)):
+        monkeypatch.setattr(mlp, name, value)
+    calls = []
+    real = ws.down_dgeglu_ws
+    monkeypatch.setattr(ws, "down_dgeglu_ws", lambda *a, **k: calls.append(1) or real(*a, **k))
+    M, D, H = 1000, 320, 1000
+    x, wg, wu, wd = _data(M, D, H, torch.bfloat16, device="cuda")
+
+    def run(fn, *args):
+        leaves = [t.detach().clone().requires_grad_() for t in args]
+        y = fn(*leaves, approximate)
+        buf = torch.randn(y.numel() + 1, generator=torch.Generator().manual_seed(1)).to(y.dtype).to(y.device)
+        dy = buf[1:].view(y.shape)  # 2 bytes past an aligned start
+        y.backward(dy)
+        return [y.detach()] + [t.grad for t in leaves]
+
+    ours = run(lambda *a: mlp.GeGLUMLPFunction.apply(*a), x, wg, wu, wd)
+    assert not calls
+    eager = run(_eager, x, wg, wu, wd)
+    ref32 = run(_eager, *(t.float() for t in (x, wg, wu, wd)))
+    _assert_no_worse(ours, eager, ref32, 1.5, f"unaligned dy {approximate}")
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("approximate", APPROX)

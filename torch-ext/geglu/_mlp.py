@@ -55,11 +55,13 @@ TRAIN_BWD_CONFIG = None
 # buffer); and where d_g, d_u are the halves of one [M, 2H] buffer (the fused forward), dW_gate and dW_up as one GEMM
 # with N = 2H. Not eager's bits, no less accurate.
 ACCUMULATE_DX = False
-# SAVE_DERIVATIVE, opt-in, with FUSED_FORWARD: the forward's epilogue saves gelu(g) and u * gelu'(g) (from its fp32
-# accumulators, each rounded once) instead of g and u, so the backward's dGeGLU is two products, d_up = d_h * gelu(g)
-# and d_gate = d_h * (u * gelu'(g)): in the Gluon kernel's epilogue with FUSED_BACKWARD "gluon"/"gluon-fast" (where
-# it runs), else after cuBLAS's d_h. The math moves to the forward's epilogue, where the sigmoid is already computed;
-# in the Gluon backward it slows the other warpgroup's main loop. Not eager's bits, no less accurate.
+# SAVE_DERIVATIVE, opt-in, with FUSED_FORWARD and the Gluon backward (FUSED_BACKWARD "gluon"/"gluon-fast" where it
+# runs; otherwise ignored): the forward's epilogue saves gelu(g) and u * gelu'(g) (from its fp32 accumulators, each
+# rounded once) instead of g and u, so the backward's dGeGLU is two products, d_up = d_h * gelu(g) and
+# d_gate = d_h * (u * gelu'(g)), in the Gluon kernel's epilogue (or, for TMA-unaligned dY, after cuBLAS's d_h). The
+# math moves to the forward's epilogue, where the sigmoid is already in registers (no slower there), out of the Gluon
+# backward, where it slows the other warpgroup's main loop (93 % of cuBLAS's dY @ Wd instead of 88 %). Not eager's
+# bits; more accurate (docs/fused-mlp.md).
 SAVE_DERIVATIVE = False
 
 _PLAIN = (Tensor, torch.nn.Parameter)
@@ -159,7 +161,10 @@ class GeGLUMLPFunction(torch.autograd.Function):
         deriv = False  # whether g, u hold gelu(g) and u * gelu'(g) (SAVE_DERIVATIVE)
         if kt is not None and FUSED_FORWARD:
             H = w_gate.shape[0]
-            deriv = bool(SAVE_DERIVATIVE)
+            # only where the Gluon backward will take it: elsewhere two strided in-place products after cuBLAS cost
+            # more than our dGeGLU kernel (measured on the H200: bwd-probe.txt run 10)
+            deriv = bool(SAVE_DERIVATIVE) and FUSED_BACKWARD in ("gluon", "gluon-fast") and (
+                _gluon_backward(x.device) is not None)
             h, gu = kt.gate_up_geglu(x2.contiguous(), w_gate.contiguous(), w_up.contiguous(), approximate == "tanh",
                                      True, config=TRAIN_FWD_CONFIG, deriv=deriv)
             g, u = gu[:, :H], gu[:, H:]
