@@ -49,7 +49,7 @@ for s in "$@"; do
         -p no:cacheprovider ;;
     fused) step fused 420 python3 benchmarks/bench_fused_mlp.py --build-dir build --shapes 8192x4096x14336 \
         --sweep epilogue --no-bwd-sweep --out "$OUT" ;;
-    tests-mlp) step tests-mlp 300 python3 -m pytest tests/kernel/test_fused_mlp.py tests/kernel/test_layers.py \
+    tests-mlp) step tests-mlp 540 python3 -m pytest tests/kernel/test_fused_mlp.py tests/kernel/test_layers.py \
         tests/kernel/test_mlp_train.py -q -x -s \
         -p no:cacheprovider ;;
     fused-2304) step fused-2304 300 python3 benchmarks/bench_fused_mlp.py --build-dir build --shapes 8192x2304x9216 \
