@@ -314,9 +314,8 @@ def test_training_node_with_fused_kernels_vs_fp32_reference(geglu, fused, kt, dt
 @pytest.mark.parametrize("dtype", LOW_DTYPES)
 def test_accumulated_dx_is_one_rounding_of_both_terms(geglu, dtype, monkeypatch):
     """ACCUMULATE_DX without fused kernels: the output and the three weight gradients are eager's bits (same GEMM
-    calls), and dx is the second GEMM accumulated onto the first, rounded once: it equals
-    round(round(d_g @ Wg) + d_u @ Wu) from an fp64 product of the same d_g, d_u, within one rounding, and is at least as
-    close to the fp32 reference as eager's two roundings."""
+    calls), and dx, the second GEMM accumulated onto the first by addmm_ (on the CPU one rounding fewer than eager's
+    bf16 add; cuBLAS may round as eager does), is at least as close to the fp32 reference as eager's."""
     mlp = importlib.import_module(geglu.__name__ + "._mlp")
     monkeypatch.setattr(mlp, "ACCUMULATE_DX", True)
     M, D, H = 40, 24, 56
@@ -326,7 +325,6 @@ def test_accumulated_dx_is_one_rounding_of_both_terms(geglu, dtype, monkeypatch)
     eager_node = _run(lambda *a: mlp.GeGLUMLPFunction.apply(*a), x, wg, wu, wd, "tanh")
     for name, a, b in zip(["y", "dWg", "dWu", "dWd"], (ours[0],) + tuple(ours[2:]), (eager_node[0],) + tuple(eager_node[2:])):
         assert torch.equal(a, b), name
-    assert not torch.equal(ours[1], eager_node[1])  # dx: one rounding fewer somewhere on this data
     ref32 = _run(_eager, *(t.float() for t in (x, wg, wu, wd)), "tanh")
     err = lambda o: ((o[1].double() - ref32[1].double()).norm() / ref32[1].double().norm()).item()  # noqa: E731
     assert err(ours) <= err(eager_node) * 1.05, (err(ours), err(eager_node))
