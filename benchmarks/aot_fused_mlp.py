@@ -33,7 +33,8 @@ def main(argv=None) -> int:
                     help="fwd: gate/up GEMM + GeGLU (two dots); paired: the same with one dot over both weights; "
                          "bwd: dY @ Wd + dGeGLU (+ h); ws-bwd: the same as a warp-specialised Gluon kernel "
                          "(_gluon_bwd.py)")
-    ap.add_argument("--save", action="store_true", help="also the training variant (writes [g|u]; bwd: also h)")
+    ap.add_argument("--save", action="store_true", help="also the training variants (write [g|u], paired also "
+                    "[gelu(g)|u*gelu'(g)]; bwd: also h)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--approximate", default="tanh", choices=["tanh", "none"])
     ap.add_argument("--verbose", action="store_true", help="print compile errors in full")
@@ -169,10 +170,10 @@ def main(argv=None) -> int:
             jobs.append((f"ws-bwd epi_mode {mode} (diagnostics) 128x128x64 s4", kt.Config(128, 128, 64, 8, 4, 4),
                          compile_ws_bwd, (mode, False, 32, 4, 232, False)))
     if args.kernel in ("paired", "all"):
-        for save in ((False, True) if args.save else (False,)):
+        for save in ((0, 1, 2) if args.save else (0,)):  # the kernel's SAVE: 2 saves the derivative factors
             for cfg in dict.fromkeys(kt.PAIRED_SWEEP):
-                jobs.append((f"{'paired train' if save else 'paired infer'} {cfg.label()}", cfg, compile_paired,
-                             save))
+                kind = ("paired infer", "paired train", "paired train deriv")[save]
+                jobs.append((f"{kind} {cfg.label()}", cfg, compile_paired, save))
     if args.kernel in ("fwd", "all"):
         for save in ((False, True) if args.save else (False,)):
             # the two-dot kernel (a config's `pair` flag selects the paired kernel at run time: --kernel paired)

@@ -78,6 +78,14 @@ _K_3KAPPA = tl.constexpr(K_3KAPPA)
 
 
 @triton.jit
+def _tanh_gelu_sigmoid(x, K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr):
+    """s = sigmoid(2 * inner(x)) = (1 + tanh(inner)) / 2 of the tanh GELU (gelu = x * s: no cancellation near -1),
+    with the hardware exp2 and reciprocal approximations (~2 ulp in fp32, far below the bf16/fp16 rounding)."""
+    z = (2.0 * K_BETA_TANH * 1.4426950408889634) * x * tl.fma(x * x, K_KAPPA, 1.0)
+    return _fast_rcp(1.0 + tl.exp2(-z))
+
+
+@triton.jit
 def _geglu_epilogue(acc_g, acc_u, T: tl.constexpr, TANH: tl.constexpr, SAVE: tl.constexpr, FAST_EPI: tl.constexpr,
                     K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr):
     """(h, g, u) of a tile from its fp32 gate and up accumulators, h in the storage dtype T. What g and u hold (for
@@ -86,12 +94,10 @@ def _geglu_epilogue(acc_g, acc_u, T: tl.constexpr, TANH: tl.constexpr, SAVE: tl.
     from the fp32 accumulators, each rounded once."""
     if SAVE == 2:
         x = acc_g
-        if FAST_EPI and TANH:  # s = sigmoid(2 * inner): gelu = x * s, gelu' = s + 2 kBeta x s (1 - s)(1 + 3 kKappa x^2)
-            x2 = x * x
-            z = (2.0 * K_BETA_TANH * 1.4426950408889634) * x * tl.fma(x2, K_KAPPA, 1.0)
-            s = _fast_rcp(1.0 + tl.exp2(-z))
+        if FAST_EPI and TANH:  # gelu = x * s, gelu' = s + 2 kBeta x s (1 - s)(1 + 3 kKappa x^2)
+            s = _tanh_gelu_sigmoid(x, K_BETA_TANH, K_KAPPA)
             h = x * s
-            gp = tl.fma((2.0 * K_BETA_TANH) * x * tl.fma(-s, s, s), tl.fma(x2, _K_3KAPPA, 1.0), s)
+            gp = tl.fma((2.0 * K_BETA_TANH) * x * tl.fma(-s, s, s), tl.fma(x * x, _K_3KAPPA, 1.0), s)
         else:
             h = _gelu(x, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA)
             gp = _gelu_grad(x, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA, _K_BETA_ERF, _K_3KAPPA)
@@ -99,11 +105,8 @@ def _geglu_epilogue(acc_g, acc_u, T: tl.constexpr, TANH: tl.constexpr, SAVE: tl.
     if FAST_EPI:
         # The GeGLU of the fp32 accumulators, rounded once: fewer instructions per output than eager's
         # formulation (an epilogue that is not overlapped with the next tile's main loop costs its full time).
-        # tanh GELU as x * sigmoid(2 * inner) (= 0.5 * x * (1 + tanh(inner)), no cancellation near -1), with the
-        # hardware exp2 and reciprocal approximations (~2 ulp in fp32, far below the bf16/fp16 rounding).
         if TANH:
-            z = (2.0 * K_BETA_TANH * 1.4426950408889634) * acc_g * tl.fma(acc_g * acc_g, K_KAPPA, 1.0)
-            h = acc_g * _fast_rcp(1.0 + tl.exp2(-z))
+            h = acc_g * _tanh_gelu_sigmoid(acc_g, K_BETA_TANH, K_KAPPA)
         else:
             h = _gelu(acc_g, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA)
         y = _round(h * acc_u, T)
@@ -559,12 +562,17 @@ def tma_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def _save_mode(save: bool, deriv: bool) -> int:
+    """The kernels' SAVE: 0 h only, 1 also [g | u], 2 also [gelu(g) | u * gelu'(g)] (`_geglu_epilogue`)."""
+    return 2 if save and deriv else int(save)
+
+
 def gate_up_geglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, tanh: bool, save: bool,
                   config: Optional[Config] = None, deriv: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """h = geglu(x @ w_gate^T, x @ w_up^T) for 2-D x [M, D] and weights [H, D] (fp16/bf16, unit last-dim stride,
     validated by the caller); with ``save`` also gu = [g | u] [M, 2H], the rounded pre-activations, or with ``deriv``
     as well [gelu(g) | u * gelu'(g)], the backward's two factors (from the fp32 accumulators, each rounded once)."""
-    save_mode = 2 if save and deriv else int(save)
+    save_mode = _save_mode(save, deriv)
     M, K = x.shape
     N = w_gate.shape[0]
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
@@ -687,7 +695,7 @@ def paired_gate_up_geglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tens
     g_view, u_view = (gu[:, :N], gu[:, N:]) if save else (out, out)
     if not all(_aligned(t) for t in (x, out, g_view, u_view)):
         raise ValueError("paired_gate_up_geglu needs x with 16-byte aligned rows and a unit feature stride.")
-    _launch_paired(x, layout, w_gate, out, g_view, u_view, tanh, 2 if save and deriv else int(save), config or (
+    _launch_paired(x, layout, w_gate, out, g_view, u_view, tanh, _save_mode(save, deriv), config or (
         INTERPRETER if INTERPRET else PAIRED_LARGE))
     return out, gu
 
