@@ -100,6 +100,13 @@ def main():
                                                                                 stages=2),
             "Gluon ws, no epilogue, BLOCK_K 128, 2 stages": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, block_k=128,
                                                                                        stages=2, epi_mode=0),
+            "Gluon ws, deriv (two products)": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, deriv=True),
+            "Gluon ws, deriv, 5 stages": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, deriv=True, stages=5),
+            "Gluon ws, deriv, CHUNK 64": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, deriv=True, chunk=64),
+            "Gluon ws, deriv, CHUNK 16": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, deriv=True, chunk=16),
+            "Gluon ws, deriv, GROUP_M 16": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, deriv=True, group_m=16),
+            "Gluon ws, deriv, unrolled chunks": lambda: ws.down_dgeglu_ws(dy, wd, g, u, True, deriv=True,
+                                                                          loop_chunks=False),
             f"Triton fused backward {kt.BWD_LARGE.label()}": lambda: kt.down_dgeglu_into(dy, wd, g, u, True, False),
         }
         cands = {k: fn for k, fn in cands.items() if re.search(args.only, k) or k.startswith("cuBLAS")}
