@@ -1,7 +1,8 @@
 """The training step with the fused kernels (issue 7): does dY @ Wd with the dGeGLU in its epilogue (d_h never in
 memory) beat cuBLAS's dY @ Wd + our pointwise dGeGLU, and does the gate/up GEMM writing g, u and h beat cuBLAS's two
-GEMMs + our pointwise GeGLU? Then the whole training step of GeGLUMLP's node (_mlp.py) with each combination of
-FUSED_FORWARD / FUSED_BACKWARD against eager's step, and every path's error against an fp32 reference.
+GEMMs + our pointwise GeGLU? Then the whole training step of GeGLUMLP's node (_mlp.py) with combinations of
+FUSED_FORWARD / FUSED_BACKWARD / ACCUMULATE_DX / SAVE_DERIVATIVE against eager's step (and with --compile against
+torch.compile's, also as the median of per-round ratios), and every path's error against an fp32 reference.
 
 Dev tool (device); bf16, tanh; every time is a do_bench median (L2 flushed), interleaved over rounds, medians of
 rounds. The fused backward works in place over g and u, so their values change from call to call (they shrink
