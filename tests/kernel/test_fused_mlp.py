@@ -356,6 +356,37 @@ def test_saved_derivative_factors(kt, dtype, approximate, fast_epi):
         assert err <= 2 * eps, f"{name}: max error {err:.2e} of its scale (eps {eps:.1e})"
 
 
+@pytest.mark.parametrize("acc", [False, True], ids=["", "acc"])
+@pytest.mark.parametrize("approximate", APPROX)
+def test_saved_derivative_products_fallback(geglu, fused, kt, approximate, acc, monkeypatch):
+    """SAVE_DERIVATIVE where the forward saved the derivative factors but the Gluon kernel then cannot take the
+    backward (a TMA-unaligned tensor): d_h from torch.mm and the two products in place (d_g and d_u end up in each
+    other's buffers, so ACCUMULATE_DX takes two weight-gradient GEMMs). Runs anywhere: the Gluon module is a stand-in
+    that must not be called, and the alignment check says no. Output and gradients no less accurate than eager's."""
+    mlp = importlib.import_module(geglu.__name__ + "._mlp")
+    for name, value in (("FUSED_FORWARD", True), ("FUSED_BACKWARD", "gluon"), ("SAVE_DERIVATIVE", True),
+                        ("ACCUMULATE_DX", acc)):
+        monkeypatch.setattr(mlp, name, value)
+
+    class _NoGluon:
+        @staticmethod
+        def down_dgeglu_ws(*a, **k):
+            raise AssertionError("the Gluon kernel ran on unaligned tensors")
+
+    monkeypatch.setattr(mlp, "_gluon_backward", lambda dev: _NoGluon)
+    saves = []
+    real_fwd = kt.gate_up_geglu
+    monkeypatch.setattr(kt, "gate_up_geglu", lambda *a, **k: saves.append(k.get("deriv")) or real_fwd(*a, **k))
+    real_aligned = kt._aligned
+    monkeypatch.setattr(kt, "_aligned", lambda t: False if t.dim() == 2 and t.shape[1] == 32 else real_aligned(t))
+    x, wg, wu, wd = _data(48, 32, 48, torch.bfloat16)  # dY [48, 32] is the tensor "not aligned"
+    ours = _run(lambda *a: mlp.GeGLUMLPFunction.apply(*a), x, wg, wu, wd, approximate)
+    assert saves == [True]  # the forward saved gelu(g), u * gelu'(g)
+    eager = _run(_eager, x, wg, wu, wd, approximate)
+    ref32 = _run(_eager, *(t.float() for t in (x, wg, wu, wd)), approximate)
+    _assert_no_worse(ours, eager, ref32, 1.5, f"deriv fallback {approximate} acc={acc}")
+
+
 def test_packed_gradient_view(geglu):
     """`_packed` sees [d_g | d_u] as one [M, 2H] tensor only when they are the column halves of one buffer, in that
     order (then dW_gate and dW_up are one GEMM); separate buffers or the halves swapped give None."""
