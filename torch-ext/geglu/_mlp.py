@@ -254,24 +254,19 @@ def _grads_accumulated(held, x, x2, w_gate, w_up, need_x, need_wg, need_wu):
     one buffer. Frees d_g after its last GEMM (as the default path does)."""
     d_g, d_u = held
     held.clear()
+    gu = _packed(d_g, d_u) if need_wg and need_wu else None
+    H = d_g.shape[1]
     dx = dwg = dwu = None
     if need_x:
         dx = torch.mm(d_g, w_gate)
-    gu = _packed(d_g, d_u) if need_wg and need_wu else None
-    if gu is not None:
-        H = d_g.shape[1]
-        del d_g
-        if dx is not None:
-            dx.addmm_(d_u, w_up)
-        del d_u
-        dw = torch.mm(gu.t(), x2)  # [2H, D]: rows [0, H) are dW_gate, [H, 2H) dW_up (contiguous halves)
-        return None if dx is None else dx.view(x.shape), dw[:H], dw[H:]
-    if need_wg:
+    if need_wg and gu is None:
         dwg = torch.mm(d_g.t(), x2)
-    del d_g
+    del d_g  # its last reader (packed, gu still holds the buffer for the one weight-gradient GEMM)
     if dx is not None:
-        dx.addmm_(d_u, w_up)
-        dx = dx.view(x.shape)
+        dx = dx.addmm_(d_u, w_up).view(x.shape)
+    if gu is not None:
+        dw = torch.mm(gu.t(), x2)  # [2H, D]: rows [0, H) are dW_gate, [H, 2H) dW_up (contiguous halves)
+        return dx, dw[:H], dw[H:]
     if need_wu:
         dwu = torch.mm(d_u.t(), x2)
     return dx, dwg, dwu
