@@ -126,7 +126,8 @@ def _shape(args, shape, kt, pw, mlp):
         kt.down_dgeglu_into(dy, wd, g, u, True, False)
         tg, tu = g.clone(), u.clone()
         for label, kw in (("chunk loop (default)", {}), ("unrolled chunks", dict(loop_chunks=False)),
-                          ("fast dGeGLU", dict(fast=True)), ("deriv (two products)", dict(deriv=True))):
+                          ("fast dGeGLU", dict(fast=True)), ("deriv (two products)", dict(deriv=True)),
+                          ("deriv, 4 stages", dict(deriv=True, stages=4))):
             restore()
             k = ws.down_dgeglu_ws(dy, wd, g, u, True, **kw)
             print(f"  ws bwd (Gluon) {label}: max |ws - triton| d_g {(g.float() - tg.float()).abs().max().item():.3e} "
@@ -165,14 +166,19 @@ def _shape(args, shape, kt, pw, mlp):
     cands = {}
     leaves = [t.clone().requires_grad_() for t in (x, wg, wu)] + [wd.clone().requires_grad_()]
 
-    def step(fwd, bwd, acc, deriv):
+    def step(fwd, bwd, acc, deriv, deriv_stages=None):
         def run():
             mlp.FUSED_FORWARD, mlp.FUSED_BACKWARD, mlp.ACCUMULATE_DX, mlp.SAVE_DERIVATIVE = fwd, bwd, acc, deriv
+            default_stages = ws.DERIV_STAGES if ws is not None else None
+            if deriv_stages:
+                ws.DERIV_STAGES = deriv_stages
             try:
                 y = mlp.GeGLUMLPFunction.apply(*leaves, "tanh")
                 return torch.autograd.grad(y, leaves, dy)
             finally:
                 mlp.FUSED_FORWARD = mlp.FUSED_BACKWARD = mlp.ACCUMULATE_DX = mlp.SAVE_DERIVATIVE = False
+                if ws is not None:
+                    ws.DERIV_STAGES = default_stages
         return run
 
     def eager_step():
@@ -191,6 +197,8 @@ def _shape(args, shape, kt, pw, mlp):
         label = (f"step: node fused fwd={int(fwd)} bwd={bwd if isinstance(bwd, str) else int(bwd)}"
                  + " acc-dx" * acc + " deriv" * deriv)
         cands[label] = (step(fwd, bwd, acc, deriv), 9 * unit)
+    if ws is not None:  # the deriv kernel's ring at 4 stages (its default is ws.DERIV_STAGES = 5)
+        cands["step: node fused fwd=1 bwd=gluon deriv, 4 stages"] = (step(True, "gluon", False, True, 4), 9 * unit)
     cands["step: eager"] = (eager_step, 9 * unit)
     if args.compile:  # the best peer in the benchmark: eager's MLP under torch.compile
         compiled = torch.compile(lambda xx, a, b, c: F.linear(F.gelu(F.linear(xx, a), approximate="tanh")

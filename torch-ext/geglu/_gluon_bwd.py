@@ -18,6 +18,8 @@ kernel there); `benchmarks/bwd_probe.py` and `ws_diag.py` time it. Needs Triton'
 imported lazily.
 """
 
+from typing import Optional
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -27,6 +29,12 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ._fused_mlp_triton import _fast_exp2, _fast_rcp, _tile_coords
 from ._triton import K_3KAPPA, K_ALPHA, K_BETA_ERF, K_BETA_TANH, K_KAPPA, _gelu, _gelu_grad, _round
+
+# Ring stages when the caller does not say: the deriv epilogue (two products, ~half the registers of the dGeGLU)
+# gained with a fifth stage on the H200 (ws-diag.txt run 17: 92.9-93.2 % of cuBLAS's dY @ Wd against 91.1-91.3 %);
+# 5 stages of 32 KiB and the 64 KiB staging buffer fill 224 of the 227 KiB of shared memory.
+DEFAULT_STAGES = 4
+DERIV_STAGES = 5
 
 
 @gluon.jit
@@ -237,7 +245,7 @@ def descriptors(dy: torch.Tensor, w_down: torch.Tensor, block_m: int, block_n: i
 
 
 def down_dgeglu_ws(dy: torch.Tensor, w_down: torch.Tensor, g: torch.Tensor, u: torch.Tensor, tanh: bool,
-                   block_m: int = 128, block_n: int = 128, block_k: int = 64, stages: int = 4, group_m: int = 8,
+                   block_m: int = 128, block_n: int = 128, block_k: int = 64, stages: Optional[int] = None, group_m: int = 8,
                    chunk: int = 32, consumer_regs: int = 232, producer_regs: int = 40, num_sms: int = 0,
                    epi_mode: int = 1, loop_chunks: bool = True, consumer_warps: int = 4, fast: bool = False,
                    deriv: bool = False):
@@ -255,9 +263,12 @@ def down_dgeglu_ws(dy: torch.Tensor, w_down: torch.Tensor, g: torch.Tensor, u: t
     ``deriv``: g, u hold the forward's [gelu(g) | u * gelu'(g)] (`gate_up_geglu(..., deriv=True)`), and the epilogue
     is two products, d_gate = d_h * (u * gelu'(g)) and d_up = d_h * gelu(g), each rounded once (the same code as
     ``epi_mode=2``): the epilogue's math is what slows the other warpgroup's main loop (ws-diag.txt run 16).
+    ``stages`` (the TMA ring's depth) defaults to `DERIV_STAGES` with ``deriv`` and to `DEFAULT_STAGES` otherwise.
     docs/fused-mlp.md has the measurements."""
     M, K = dy.shape
     N = w_down.shape[1]
+    if stages is None:
+        stages = DERIV_STAGES if deriv else DEFAULT_STAGES
     dy_desc, wd_desc = descriptors(dy, w_down, block_m, block_n, block_k)
     tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
     sms = num_sms or torch.cuda.get_device_properties(dy.device).multi_processor_count
