@@ -82,6 +82,8 @@ def main():
               f"{triv.last_compiled.n_spills}", flush=True)
         h_p = kt.paired_gate_up_geglu(x, wg, wu, True, False, config=cfg)[0]
         print(f"  paired kernel: regs {kt.last_compiled.n_regs} spills {kt.last_compiled.n_spills}", flush=True)
+        h_buf.copy_(h_p)  # down_proj's own row reads a real h (an uninitialised, zero buffer ran 20 % faster: the
+        # tensor cores draw less power on zeros, epi-ceiling.txt run 1)
         del h_t, ref, h_p
 
         cands = {
