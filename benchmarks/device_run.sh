@@ -61,7 +61,7 @@ for s in "$@"; do
     ws-test) step ws-test 300 python3 -m pytest tests/kernel/test_fused_mlp.py -q -x -p no:cacheprovider \
         -k "warp_specialised or gluon_backward" ;;
     node-test) step node-test 200 python3 -m pytest tests/kernel/test_fused_mlp.py -q -x -p no:cacheprovider \
-        -k "training_node" ;;
+        -k "training_node or fused_training" ;;
     ws-power) step ws-power 150 python3 benchmarks/ws_power.py --build-dir build ;;
     ws-diag) step ws-diag 200 python3 benchmarks/ws_diag.py --build-dir build --only "${WS_DIAG_ONLY:-}" ;;
     ws-ncu) TAIL=80 step ws-ncu 300 ncu --section SpeedOfLight --section MemoryWorkloadAnalysis \

@@ -399,6 +399,81 @@ def test_packed_gradient_view(geglu):
     assert mlp._packed(gu[:, :4], gu[:, 4:8]) is None  # not halves of the row
 
 
+class _GluonStandIn:
+    """The Gluon backward's deriv epilogue in torch (for machines without the kernel): d_h = dY @ Wd rounded to the
+    storage dtype as the kernel's accumulator is, then d_gate = d_h * (u * gelu'(g)) over the first buffer and
+    d_up = d_h * gelu(g) over the second, each product in fp32 and rounded once."""
+
+    def __init__(self):
+        self.calls = []
+
+    def down_dgeglu_ws(self, dy, w_down, a, b, tanh, fast=False, deriv=False):
+        self.calls.append(deriv)
+        assert deriv, "FUSED_TRAINING saves the derivative factors: the backward must take the deriv epilogue"
+        dh = (dy.float() @ w_down.float()).to(dy.dtype).float()
+        fa, fb = a.float(), b.float()
+        a.copy_(dh * fb)
+        b.copy_(dh * fa)
+
+
+@pytest.mark.parametrize("approximate", APPROX)
+def test_fused_training_switch_takes_the_gluon_combination(geglu, fused, kt, approximate, monkeypatch):
+    """FUSED_TRAINING (GEGLU_FUSED_TRAINING=1) where the Gluon backward runs: the fused forward saves the derivative
+    factors, the Gluon kernel's deriv epilogue takes dY @ Wd, x's gradient is accumulated in one GEMM, whatever the
+    four separate flags say; output and gradients no less accurate against fp32 than eager's. On sm_90 the real
+    Gluon kernel runs, elsewhere a torch stand-in of its epilogue."""
+    mlp = importlib.import_module(geglu.__name__ + "._mlp")
+    for name in ("FUSED_FORWARD", "FUSED_BACKWARD", "SAVE_DERIVATIVE", "ACCUMULATE_DX"):
+        monkeypatch.setattr(mlp, name, False)
+    monkeypatch.setattr(mlp, "FUSED_TRAINING", True)
+    x, wg, wu, wd = _data(48, 32, 48, torch.bfloat16)
+    ws = mlp._gluon_backward(x.device)
+    calls = []
+    if ws is None:
+        ws = _GluonStandIn()
+        monkeypatch.setattr(mlp, "_gluon_backward", lambda dev: ws)
+    else:
+        real_ws = ws.down_dgeglu_ws
+        monkeypatch.setattr(ws, "down_dgeglu_ws", lambda *a, **k: calls.append(("bwd", k.get("deriv")))
+                            or real_ws(*a, **k))
+    real_fwd = kt.gate_up_geglu
+    monkeypatch.setattr(kt, "gate_up_geglu", lambda *a, **k: calls.append(("fwd", k.get("deriv")))
+                        or real_fwd(*a, **k))
+    accumulated = []
+    real_acc = mlp._grads_accumulated
+    monkeypatch.setattr(mlp, "_grads_accumulated", lambda *a: accumulated.append(1) or real_acc(*a))
+    ours = _run(lambda *a: mlp.GeGLUMLPFunction.apply(*a), x, wg, wu, wd, approximate)
+    if isinstance(ws, _GluonStandIn):
+        calls += [("bwd", d) for d in ws.calls]
+    assert calls == [("fwd", True), ("bwd", True)] and accumulated == [1]
+    eager = _run(_eager, x, wg, wu, wd, approximate)
+    ref32 = _run(_eager, *(t.float() for t in (x, wg, wu, wd)), approximate)
+    _assert_no_worse(ours, eager, ref32, 1.5, f"FUSED_TRAINING {approximate}")
+
+
+def test_fused_training_switch_elsewhere_is_the_default_node(geglu, fused, kt, monkeypatch):
+    """FUSED_TRAINING where the Gluon backward cannot run: the step is the default node's, bit for bit (there the
+    fused Triton backward is slower than cuBLAS + our dGeGLU), and no fused kernel runs."""
+    mlp = importlib.import_module(geglu.__name__ + "._mlp")
+    monkeypatch.setattr(mlp, "_gluon_backward", lambda dev: None)
+    monkeypatch.setattr(kt, "gate_up_geglu", lambda *a, **k: pytest.fail("the fused forward ran"))
+    x, wg, wu, wd = _data(48, 32, 48, torch.bfloat16)
+    monkeypatch.setattr(mlp, "FUSED_TRAINING", False)
+    default = _run(lambda *a: mlp.GeGLUMLPFunction.apply(*a), x, wg, wu, wd, "tanh")
+    monkeypatch.setattr(mlp, "FUSED_TRAINING", True)
+    switched = _run(lambda *a: mlp.GeGLUMLPFunction.apply(*a), x, wg, wu, wd, "tanh")
+    for name, a, b in zip(["y", "dx", "dWg", "dWu", "dWd"], switched, default):
+        assert torch.equal(a, b), name
+
+
+def test_fused_training_setting(geglu):
+    mlp = importlib.import_module(geglu.__name__ + "._mlp")
+    assert not mlp._switch(None) and not mlp._switch("") and not mlp._switch("0") and not mlp._switch(" off ")
+    assert mlp._switch("1") and mlp._switch("true")
+    with pytest.raises(ValueError, match="GEGLU_FUSED_TRAINING='fast'.*expected 1"):
+        mlp._switch("fast")
+
+
 def test_training_node_rejects_an_unknown_fused_backward(geglu, fused, kt, monkeypatch):
     """A misspelt FUSED_BACKWARD is an error that lists the accepted values, not a silent choice of kernel."""
     mlp = importlib.import_module(geglu.__name__ + "._mlp")

@@ -25,6 +25,8 @@ Used only for plain eager tensors (not under torch.compile, tracing, functorch t
 keeps its regular path otherwise.
 """
 
+import contextlib
+import os
 from typing import Optional
 
 import torch
@@ -51,8 +53,8 @@ FUSED_FORWARD = False
 FUSED_BACKWARD = False  # False, True (Triton), "gluon" or "gluon-fast"
 TRAIN_FWD_CONFIG = None  # None: the kernel module's choice for the shape
 TRAIN_BWD_CONFIG = None
-# ACCUMULATE_DX, opt-in: dx = d_g @ Wg, then d_u @ Wu accumulated into it by the second GEMM (addmm_) instead of a
-# second [M, D] output and a bf16 add (one kernel and one buffer fewer; on the CPU also one rounding fewer, while on
+# ACCUMULATE_DX, opt-in (read when the forward runs, as the other flags): dx = d_g @ Wg, then d_u @ Wu accumulated
+# into it by the second GEMM (addmm_) instead of a second [M, D] output and a bf16 add (one kernel and one buffer fewer; on the CPU also one rounding fewer, while on
 # the H200 cuBLAS gave the same bits); and where d_g, d_u are the halves of one [M, 2H] buffer (the fused forward),
 # dW_gate and dW_up as one GEMM with N = 2H. Not guaranteed to be eager's bits, no less accurate.
 ACCUMULATE_DX = False
@@ -64,6 +66,33 @@ ACCUMULATE_DX = False
 # backward, where it slows the other warpgroup's main loop (93 % of cuBLAS's dY @ Wd instead of 88 %). Not eager's
 # bits; more accurate (docs/fused-mlp.md).
 SAVE_DERIVATIVE = False
+
+
+def _switch(setting: Optional[str]) -> bool:
+    """GEGLU_FUSED_TRAINING: unset or "0" off, "1" on; anything else is a mistake worth naming."""
+    value = (setting or "0").strip().lower()
+    if value in ("1", "on", "true", "yes"):
+        return True
+    if value in ("0", "off", "false", "no"):
+        return False
+    raise ValueError(f"GEGLU_FUSED_TRAINING={setting!r}: expected 1 (GeGLUMLP's training step with the fused kernels "
+                     "where the Gluon backward runs) or 0 (eager's bits, the default).")
+
+
+# FUSED_TRAINING (GEGLU_FUSED_TRAINING=1), opt-in: one switch for the fastest measured combination, where it runs.
+# Where the Gluon backward runs (sm_90, a Triton with Gluon) the step takes FUSED_FORWARD, FUSED_BACKWARD = "gluon",
+# SAVE_DERIVATIVE and ACCUMULATE_DX, whatever those four say; elsewhere the four flags as they are (by default the
+# node with eager's bits: there the Triton fused backward is slower than cuBLAS + our dGeGLU). On the H200 the step
+# is then 2.6-3.7 % faster than torch.compile's at 8192x2304x9216 and 1-2 % at 8192x4096x14336 (bwd-probe.txt runs
+# 10-12), with gradients more accurate than eager's against fp32 (not eager's bits).
+FUSED_TRAINING = _switch(os.environ.get("GEGLU_FUSED_TRAINING"))
+
+
+def _settings(dev: torch.device):
+    """(FUSED_FORWARD, FUSED_BACKWARD, SAVE_DERIVATIVE, ACCUMULATE_DX) for a step on ``dev``."""
+    if FUSED_TRAINING and _gluon_backward(dev) is not None:
+        return True, "gluon", True, True
+    return FUSED_FORWARD, FUSED_BACKWARD, SAVE_DERIVATIVE, ACCUMULATE_DX
 
 _PLAIN = (Tensor, torch.nn.Parameter)
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -130,21 +159,21 @@ def _gluon_backward(dev: torch.device):
     return _gluon_bwd
 
 
-def _fused_backward(kt, dev: torch.device, deriv: bool):
-    """The backward's `dY @ Wd` + dGeGLU kernel as fn(dy, w_down, g, u, tanh) -> bool, writing d_g, d_u over g, u;
-    False where it did not run (with ``deriv``, g, u holding the forward's derivative factors, only the Gluon
-    kernel has that epilogue: elsewhere the caller takes cuBLAS and two products)."""
-    if FUSED_BACKWARD not in (True, "gluon", "gluon-fast"):
-        raise ValueError(f"geglu._mlp.FUSED_BACKWARD is {FUSED_BACKWARD!r}; expected False (cuBLAS + our dGeGLU), "
+def _fused_backward(kt, dev: torch.device, mode, deriv: bool):
+    """The backward's `dY @ Wd` + dGeGLU kernel for FUSED_BACKWARD = ``mode`` as fn(dy, w_down, g, u, tanh) -> bool,
+    writing d_g, d_u over g, u; False where it did not run (with ``deriv``, g, u holding the forward's derivative
+    factors, only the Gluon kernel has that epilogue: elsewhere the caller takes cuBLAS and two products)."""
+    if mode not in (True, "gluon", "gluon-fast"):
+        raise ValueError(f"geglu._mlp.FUSED_BACKWARD is {mode!r}; expected False (cuBLAS + our dGeGLU), "
                          "True (the Triton fused kernel), 'gluon' or 'gluon-fast' (the warp-specialised Gluon kernel)")
-    ws = _gluon_backward(dev) if FUSED_BACKWARD in ("gluon", "gluon-fast") else None
-    fast = FUSED_BACKWARD == "gluon-fast"
+    ws = _gluon_backward(dev) if mode in ("gluon", "gluon-fast") else None
+    fast = mode == "gluon-fast"
 
     def run(dy, w_down, g, u, tanh):
         # the Gluon kernel reads dY and Wd through TMA descriptors (16-byte aligned base and rows); without `fast`
         # both kernels give the same bits
         if ws is not None and dy.shape[0] and all(kt._aligned(t) for t in (dy, w_down, g, u)):
-            with torch.cuda.device(dy.device):
+            with torch.cuda.device(dy.device) if dy.is_cuda else contextlib.nullcontext():  # (CPU: tests' stand-in)
                 ws.down_dgeglu_ws(dy, w_down, g, u, tanh, fast=fast, deriv=deriv)
         elif deriv:
             return False
@@ -158,13 +187,14 @@ class GeGLUMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down, approximate):
         x2 = x.reshape(-1, x.shape[-1])  # what F.linear's matmul does with [..., D]
-        kt = _fused_kernels(x2) if (FUSED_FORWARD or FUSED_BACKWARD) else None
+        fused_forward, fused_backward, save_derivative, ctx.accumulate_dx = _settings(x.device)
+        kt = _fused_kernels(x2) if (fused_forward or fused_backward) else None
         deriv = False  # whether g, u hold gelu(g) and u * gelu'(g) (SAVE_DERIVATIVE)
-        if kt is not None and FUSED_FORWARD:
+        if kt is not None and fused_forward:
             H = w_gate.shape[0]
             # only where the Gluon backward will take it: elsewhere two strided in-place products after cuBLAS cost
             # more than our dGeGLU kernel (measured on the H200: bwd-probe.txt run 10)
-            deriv = bool(SAVE_DERIVATIVE) and FUSED_BACKWARD in ("gluon", "gluon-fast") and (
+            deriv = bool(save_derivative) and fused_backward in ("gluon", "gluon-fast") and (
                 _gluon_backward(x.device) is not None)
             h, gu = kt.gate_up_geglu(x2.contiguous(), w_gate.contiguous(), w_up.contiguous(), approximate == "tanh",
                                      True, config=TRAIN_FWD_CONFIG, deriv=deriv)
@@ -175,7 +205,8 @@ class GeGLUMLPFunction(torch.autograd.Function):
             h = torch.empty_like(g)
             _pw._forward_into(h, g, u, approximate, True)
         y = torch.mm(h, w_down.t())
-        ctx.fused_backward = _fused_backward(kt, x.device, deriv) if FUSED_BACKWARD and kt is not None else None
+        ctx.fused_backward = (_fused_backward(kt, x.device, fused_backward, deriv) if fused_backward and kt is not None
+                              else None)
         ctx.deriv = deriv
         ctx.approximate = approximate
         ctx.ran = False
@@ -220,7 +251,7 @@ class GeGLUMLPFunction(torch.autograd.Function):
                 _pw._backward_into(g, u, d_h, g, u, ctx.approximate)  # [d_g, d_u] written over g and u
             del d_h
         x2 = x.reshape(-1, x.shape[-1])
-        if ACCUMULATE_DX:
+        if ctx.accumulate_dx:
             held = [g, u]  # the helper's list is then the only reference: it frees d_g after its last GEMM
             del g, u
             return _grads_accumulated(held, x, x2, w_gate, w_up, need_x, need_wg, need_wu) + (dwd, None)
@@ -285,5 +316,5 @@ def training_forward(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, ap
     return _apply(x, w_gate, w_up, w_down, approximate)
 
 
-__all__ = ["GeGLUMLPFunction", "applies", "host_bound", "training_forward", "FUSED_FORWARD", "FUSED_BACKWARD",
-           "ACCUMULATE_DX", "SAVE_DERIVATIVE"]
+__all__ = ["GeGLUMLPFunction", "applies", "host_bound", "training_forward", "FUSED_TRAINING", "FUSED_FORWARD",
+           "FUSED_BACKWARD", "ACCUMULATE_DX", "SAVE_DERIVATIVE"]

@@ -107,7 +107,9 @@ class GeGLUMLP(nn.Module):
     node (``_mlp``, at CPU and large CUDA sizes): eager's output and gradients bit for bit, with at most three
     [M, H] activation buffers live in the backward (eager and Liger: four). Inference at prefill sizes
     takes the fused gate/up GEMM (the GeGLU in its epilogue: not bit-identical to eager, more accurate) where it
-    measures faster on the device; ``GEGLU_FUSED_MLP=0`` turns that off.
+    measures faster on the device; ``GEGLU_FUSED_MLP=0`` turns that off. ``GEGLU_FUSED_TRAINING=1`` (opt-in) gives
+    the training step the fused kernels where the Gluon backward runs (sm_90): faster than eager's bits, more
+    accurate, not bit-identical (``_mlp.FUSED_TRAINING``).
     """
 
     can_torch_compile = True
