@@ -29,10 +29,11 @@ def main(argv=None) -> int:
     ap.add_argument("--triton-path", default=None, help="folder holding the triton package to compile with")
     ap.add_argument("--shape", default="8192x4096x14336", help="MxDxH (only divisibility matters)")
     ap.add_argument("--config", default=None, help="only the config with this label")
-    ap.add_argument("--kernel", default="all", choices=["fwd", "bwd", "paired", "ws-bwd", "all"],
+    ap.add_argument("--kernel", default="all", choices=["fwd", "bwd", "paired", "ws-bwd", "ws-fwd", "all"],
                     help="fwd: gate/up GEMM + GeGLU (two dots); paired: the same with one dot over both weights; "
                          "bwd: dY @ Wd + dGeGLU (+ h); ws-bwd: the same as a warp-specialised Gluon kernel "
-                         "(_gluon_bwd.py)")
+                         "(_gluon_bwd.py); ws-fwd: the gate/up GEMM + GeGLU with its epilogue in its own warps "
+                         "(_gluon_fwd.py)")
     ap.add_argument("--save", action="store_true", help="also the training variants (write [g|u], paired also "
                     "[gelu(g)|u*gelu'(g)]; bwd: also h)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
@@ -150,7 +151,24 @@ def main(argv=None) -> int:
             K_3KAPPA=kt.K_3KAPPA, EPI_MODE=epi_mode, LOOP_CHUNKS=loop_chunks,
             FAST=fast, EVEN=M % cfg.block_m == 0 and H % cfg.block_n == 0, num_warps=cw, enable_fp_fusion=False, grid=(1,))
 
+    def compile_ws_fwd(cfg, mode):
+        save, chunk, epi_warps, epi_regs = mode
+        gf = importlib.import_module(mod.__name__ + "._gluon_fwd")
+        x_d, wg_d, wu_d = gf.descriptors(x, wg, wu, cfg.block_m, cfg.block_n, cfg.block_k)
+        g_, u_ = (gu[:, :H], gu[:, H:]) if save else (h, h)
+        return gf._gate_up_geglu_ws_kernel.warmup(
+            x_d, wg_d, wu_d, h, g_, u_, M, H, D, h.stride(0), g_.stride(0), u_.stride(0),
+            TANH=args.approximate == "tanh", SAVE=save, STAGES=cfg.num_stages, GROUP_M=cfg.group_m, CHUNK=chunk,
+            EVEN=M % cfg.block_m == 0 and H % cfg.block_n == 0, EPI_WARPS=epi_warps, EPI_REGS=epi_regs, PRODUCER_REGS=24,
+            K_BETA_TANH=kt.K_BETA_TANH, K_KAPPA=kt.K_KAPPA, K_ALPHA=kt.K_ALPHA, num_warps=8, maxnreg=gf.MAXNREG,
+            grid=(1,))
+
     jobs = []
+    if args.kernel == "ws-fwd":
+        for save in ((False, True) if args.save else (False,)):
+            for chunk, warps, regs in ((16, 2, 152), (16, 2, 120), (32, 2, 152), (16, 2, 168)):
+                jobs.append((f"ws-fwd {'train' if save else 'infer'} CHUNK {chunk} epi w{warps} r{regs} 128x256x64 s3",
+                             kt.Config(128, 128, 64, 16, 8, 3), compile_ws_fwd, (save, chunk, warps, regs)))
     if args.kernel == "ws-bwd":
         for cfg in (kt.Config(128, 128, 64, 8, 4, 4), kt.Config(128, 128, 64, 8, 4, 3)):
             jobs.append((f"ws-bwd dgeglu {cfg.label()}", cfg, compile_ws_bwd, (1, False, 32, 4, 232, False)))

@@ -7,7 +7,7 @@
 # transformers, fused (the fused-kernel sweep at 8192x4096x14336; fused-2304 at 8192x2304x9216), mlp (the whole-MLP
 # table alone), gemms (the training step GEMM by GEMM), packed (the packed-weight gate/up kernel probe), epi-ceiling
 # (the forward if the gate/up kernel's epilogue were free), bwd (the fused
-# backward and the training step with the fused kernels; BWD_ARGS passes options, e.g. "--no-sweep --compile"), ws-test (the Gluon backward's GPU tests), node-test (the training node's tests), ws-power (SM clock and power per backward variant), ws-diag and
+# backward and the training step with the fused kernels; BWD_ARGS passes options, e.g. "--no-sweep --compile"), ws-test (the Gluon backward's GPU tests), ws-fwd-test (the Gluon forward's), node-test (the training node's tests), ws-power (SM clock and power per backward variant), ws-diag and
 # ws-ncu (why the Gluon backward is slow: timings, and ncu's speed-of-light and memory sections), ws-stalls (its
 # warp stall reasons), ws-source (ncu's per-instruction SASS stall samples of one variant, WS_ONLY=label regex; WS_DIAG_ONLY filters ws-diag alike), bench (bf16 with peers and the whole MLP; bench-fast: without max-autotune), bench-other (fp16 and
 # fp32, ours and eager), profile, sanitize.
@@ -60,6 +60,8 @@ for s in "$@"; do
     epi-ceiling) step epi-ceiling 240 python3 benchmarks/epi_ceiling.py --build-dir build ;;
     ws-test) step ws-test 300 python3 -m pytest tests/kernel/test_fused_mlp.py -q -x -p no:cacheprovider \
         -k "warp_specialised or gluon_backward" ;;
+    ws-fwd-test) step ws-fwd-test 300 python3 -m pytest tests/kernel/test_fused_mlp.py -q -x -p no:cacheprovider \
+        -k "gluon_forward" ;;
     node-test) step node-test 200 python3 -m pytest tests/kernel/test_fused_mlp.py -q -x -p no:cacheprovider \
         -k "training_node or fused_training" ;;
     ws-power) step ws-power 150 python3 benchmarks/ws_power.py --build-dir build ;;

@@ -3,7 +3,8 @@ epilogue were hidden under the next tile's main loop? Issue 7 asks for the forwa
 the paired kernel (`PAIRED_LARGE`, persistent 128x256 tile, epilogue between two tiles' main loops) runs at about
 cuBLAS's rate. Here the same kernel is compiled a second time with its epilogue replaced by one add a output
 (h = round(g + u): the accumulators, the split and the store stay), which is the most any design that overlaps the
-GeGLU with the main loop (epilogue warps, ping-pong consumers) can gain with this tile and pipeline.
+GeGLU with the main loop (epilogue warps, ping-pong consumers) can gain with this tile and pipeline. And the
+Gluon kernel that does so (`_gluon_fwd.py`: the GeGLU in its own warps while the MMA warps run the next tile).
 
 Times, interleaved over rounds (do_bench medians, L2 flushed): cuBLAS's two gate/up GEMMs, cuBLAS's one GEMM over the
 stacked [2H, D] weight, the paired kernel with its fast GeGLU epilogue and with the trivial one, cuBLAS's down_proj,
@@ -59,6 +60,7 @@ def main():
     geglu = kernels.get_local_kernel(args.build_dir)
     kt = importlib.import_module(geglu.__name__ + "._fused_mlp_triton")
     triv = _trivial_copy(kt)
+    gf = importlib.import_module(geglu.__name__ + "._gluon_fwd")  # the epilogue in its own warps (_gluon_fwd.py)
     peak = cublas_tflops(torch)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; cuBLAS bf16 "
           f"8192^3: {peak:.0f} TFLOP/s", flush=True)
@@ -82,6 +84,14 @@ def main():
               f"{triv.last_compiled.n_spills}", flush=True)
         h_p = kt.paired_gate_up_geglu(x, wg, wu, True, False, config=cfg)[0]
         print(f"  paired kernel: regs {kt.last_compiled.n_regs} spills {kt.last_compiled.n_spills}", flush=True)
+        eager_h = F.gelu(F.linear(x, wg), approximate="tanh") * F.linear(x, wu)
+        ref64 = F.gelu(x.double() @ wg.double().t(), approximate="tanh") * (x.double() @ wu.double().t())
+        h_w = gf.gate_up_geglu_ws(x, wg, wu, True)[0]
+        rel = lambda t: ((t.double() - ref64).norm() / ref64.norm()).item()  # noqa: E731
+        print(f"  h against fp64: eager {rel(eager_h):.3e}, paired {rel(h_p):.3e}, Gluon epilogue warps "
+              f"{rel(h_w):.3e}; max |Gluon - paired| {(h_w.float() - h_p.float()).abs().max().item():.3e}",
+              flush=True)
+        del eager_h, ref64, h_w
         h_buf.copy_(h_p)  # down_proj's own row reads a real h (an uninitialised, zero buffer ran 20 % faster: the
         # tensor cores draw less power on zeros, epi-ceiling.txt run 1)
         h_sum = h_t  # the trivial kernel's h = g + u: down_proj on it shows how much h's values change its speed
@@ -94,11 +104,17 @@ def main():
                 lambda: kt.paired_gate_up_geglu(x, wg, wu, True, False, config=cfg), 2),
             "paired, trivial epilogue (h = g + u)": (
                 lambda: triv.paired_gate_up_geglu(x, wg, wu, True, False, config=cfg), 2),
+            "Gluon, GeGLU in epilogue warps": (lambda: gf.gate_up_geglu_ws(x, wg, wu, True), 2),
+            "train: paired, save g,u,h (PAIRED_LARGE)": (
+                lambda: kt.paired_gate_up_geglu(x, wg, wu, True, True, config=cfg), 2),
+            "train: Gluon epilogue warps, save g,u,h": (lambda: gf.gate_up_geglu_ws(x, wg, wu, True, True), 2),
             "down: mm(h, Wd^T)": (lambda: torch.mm(h_buf, wd.t()), 1),
             "down: mm(h, Wd^T), h = g + u (the ceiling's h)": (lambda: torch.mm(h_sum, wd.t()), 1),
             "MLP fwd: eager": (lambda: F.linear(F.gelu(F.linear(x, wg), approximate="tanh") * F.linear(x, wu), wd), 3),
             "MLP fwd: paired + down": (
                 lambda: torch.mm(kt.paired_gate_up_geglu(x, wg, wu, True, False, config=cfg)[0], wd.t()), 3),
+            "MLP fwd: Gluon epilogue warps + down": (
+                lambda: torch.mm(gf.gate_up_geglu_ws(x, wg, wu, True)[0], wd.t()), 3),
             "MLP fwd ceiling: trivial epilogue + down": (
                 lambda: torch.mm(triv.paired_gate_up_geglu(x, wg, wu, True, False, config=cfg)[0], wd.t()), 3),
         }
@@ -124,7 +140,8 @@ def main():
         # The ceiling row's down_proj reads h = g + u, whose values make the tensor cores draw different power than
         # a real h does; so also the sums of separately timed parts, each with a real h for down_proj.
         down = _median(times["down: mm(h, Wd^T)"])
-        for k in (f"paired {cfg.label()} (GeGLU epilogue)", "paired, trivial epilogue (h = g + u)"):
+        for k in (f"paired {cfg.label()} (GeGLU epilogue)", "paired, trivial epilogue (h = g + u)",
+                  "Gluon, GeGLU in epilogue warps"):
             print(f"  sum: {k} + down on a real h: {_median(times[k]) + down:9.1f} us "
                   f"({(_median(times[k]) + down) / _median(eager):.3f} of eager's forward)", flush=True)
         del cands, x, wg, wu, wd, wstack, g_buf, u_buf, h_buf, h_sum, h_t

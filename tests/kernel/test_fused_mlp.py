@@ -647,6 +647,43 @@ def test_gpu_warp_specialised_backward_equals_pointwise(geglu, kt, M, D, H, dtyp
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("save", [False, True], ids=["infer", "train"])
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+@pytest.mark.parametrize("M,D,H", [(1000, 320, 1000), (2048, 320, 2048), (4096, 2304, 9216)])
+def test_gpu_gluon_forward_epilogue_warps(geglu, M, D, H, dtype, approximate, save):
+    """The experimental Gluon gate/up kernel (_gluon_fwd.py: the GeGLU in its own warps, under the next tile's main
+    loop). On data whose GEMMs are exact in fp32 whatever the accumulation order (x in {-1, 0, 1}, weights multiples
+    of 1/64), its g, u (``save``) are the exact pre-activations rounded to the storage dtype, bit for bit; h is the
+    GeGLU of those in fp32 rounded once: the erf GELU bit for bit against torch's fp32 gelu, the tanh one (hardware
+    exp2 / reciprocal approximations) within one unit in the last place, rarely off. Ragged sizes (masked stores),
+    one tile a program, then several (the staging buffer's hand-over between the warps, tile after tile)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon forward is written for sm_90 (wgmma, TMA)")
+    gf = importlib.import_module(geglu.__name__ + "._gluon_fwd")
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randint(-1, 2, (M, D), generator=gen).to(dtype).cuda()
+    wg, wu = ((torch.randint(-2, 3, (H, D), generator=gen) / 64).to(dtype).cuda() for _ in range(2))
+    g = (x.float() @ wg.float().t()).to(dtype)
+    u = (x.float() @ wu.float().t()).to(dtype)
+    assert g.float().std() > 0.2  # the GELU's curved region, not only its linear tails
+    h, gu = gf.gate_up_geglu_ws(x, wg, wu, approximate == "tanh", save)
+    torch.cuda.synchronize()
+    if save:
+        assert torch.equal(gu[:, :H], g) and torch.equal(gu[:, H:], u)
+    else:
+        assert gu is None
+    want = (F.gelu(g.float(), approximate=approximate) * u.float()).to(dtype)
+    if approximate == "none":
+        assert torch.equal(h, want), f"max diff {(h.float() - want.float()).abs().max()}"
+    else:
+        diff = (h.float() - want.float()).abs()
+        ulp = want.float().abs() * torch.finfo(dtype).eps + torch.finfo(dtype).tiny
+        off = (diff > 0).float().mean().item()
+        assert bool((diff <= ulp).all()) and off < 0.02, (diff.max().item(), off)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("approximate", APPROX)
 @pytest.mark.parametrize("M,D,H", [(1000, 320, 1000), (4096, 2304, 9216)])
 def test_gpu_warp_specialised_fast_backward_vs_fp64(geglu, kt, M, D, H, approximate):
