@@ -169,6 +169,9 @@ def main(argv=None) -> int:
             for chunk, warps, regs in ((16, 2, 152), (16, 2, 120), (32, 2, 152), (16, 2, 168)):
                 jobs.append((f"ws-fwd {'train' if save else 'infer'} CHUNK {chunk} epi w{warps} r{regs} 128x256x64 s3",
                              kt.Config(128, 128, 64, 16, 8, 3), compile_ws_fwd, (save, chunk, warps, regs)))
+            for st in (5, 6):
+                jobs.append((f"ws-fwd {'train' if save else 'infer'} CHUNK 16 epi w2 r152 128x256x32 s{st}",
+                             kt.Config(128, 128, 32, 16, 8, st), compile_ws_fwd, (save, 16, 2, 152)))
     if args.kernel == "ws-bwd":
         for cfg in (kt.Config(128, 128, 64, 8, 4, 4), kt.Config(128, 128, 64, 8, 4, 3)):
             jobs.append((f"ws-bwd dgeglu {cfg.label()}", cfg, compile_ws_bwd, (1, False, 32, 4, 232, False)))

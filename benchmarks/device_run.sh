@@ -57,7 +57,7 @@ for s in "$@"; do
         --sweep epilogue --no-bwd-sweep --out "$OUT" ;;
     decision) step decision 200 python3 benchmarks/fused_decision.py --build-dir build ;;
     packed) step packed 400 python3 benchmarks/packed_probe.py --build-dir build ;;
-    epi-ceiling) step epi-ceiling 240 python3 benchmarks/epi_ceiling.py --build-dir build ;;
+    epi-ceiling) step epi-ceiling 300 python3 benchmarks/epi_ceiling.py --build-dir build ${EPI_ARGS:-} ;;
     ws-test) step ws-test 300 python3 -m pytest tests/kernel/test_fused_mlp.py -q -x -p no:cacheprovider \
         -k "warp_specialised or gluon_backward" ;;
     ws-fwd-test) step ws-fwd-test 300 python3 -m pytest tests/kernel/test_fused_mlp.py -q -x -p no:cacheprovider \

@@ -14,6 +14,7 @@ ceiling). Prints medians and each round's ratio to cuBLAS's two GEMMs (drift bet
 Dev tool (device); bf16, tanh.
 
     python benchmarks/epi_ceiling.py [--build-dir build] [--shapes 8192x4096x14336 8192x2304x9216] [--rounds 7]
+                                     [--gluon-sweep]
 """
 import argparse
 import importlib
@@ -54,6 +55,8 @@ def main():
     ap.add_argument("--build-dir", type=Path, default=Path("build"))
     ap.add_argument("--shapes", nargs="+", default=["8192x4096x14336", "8192x2304x9216"])
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--gluon-sweep", action="store_true", help="also the Gluon kernel's tile variants (BLOCK_K 32 "
+                    "with more stages, GROUP_M, CHUNK)")
     args = ap.parse_args()
     import kernels
 
@@ -105,6 +108,10 @@ def main():
             "paired, trivial epilogue (h = g + u)": (
                 lambda: triv.paired_gate_up_geglu(x, wg, wu, True, False, config=cfg), 2),
             "Gluon, GeGLU in epilogue warps": (lambda: gf.gate_up_geglu_ws(x, wg, wu, True), 2),
+            **({f"Gluon, {k}": (lambda kw=kw: gf.gate_up_geglu_ws(x, wg, wu, True, **kw), 2) for k, kw in (
+                ("BLOCK_K 32, 6 stages", dict(block_k=32, stages=6)), ("BLOCK_K 32, 5 stages", dict(block_k=32, stages=5)),
+                ("GROUP_M 8", dict(group_m=8)), ("GROUP_M 32", dict(group_m=32)), ("CHUNK 32", dict(chunk=32)),
+                ("epilogue regs 120", dict(epi_regs=120)))} if args.gluon_sweep else {}),
             "train: paired, save g,u,h (PAIRED_LARGE)": (
                 lambda: kt.paired_gate_up_geglu(x, wg, wu, True, True, config=cfg), 2),
             "train: Gluon epilogue warps, save g,u,h": (lambda: gf.gate_up_geglu_ws(x, wg, wu, True, True), 2),

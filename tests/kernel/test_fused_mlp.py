@@ -656,7 +656,8 @@ def test_gpu_gluon_forward_epilogue_warps(geglu, M, D, H, dtype, approximate, sa
     loop). On data whose GEMMs are exact in fp32 whatever the accumulation order (x in {-1, 0, 1}, weights multiples
     of 1/64), its g, u (``save``) are the exact pre-activations rounded to the storage dtype, bit for bit; h is the
     GeGLU of those in fp32 rounded once: the erf GELU bit for bit against torch's fp32 gelu, the tanh one (hardware
-    exp2 / reciprocal approximations) within one unit in the last place, rarely off. Ragged sizes (masked stores),
+    exp2 / reciprocal approximations) within one unit in the last place, rarely off (2e-5 of the elements at
+    4096x2304x9216 on the H200). Ragged sizes (masked stores),
     one tile a program, then several (the staging buffer's hand-over between the warps, tile after tile)."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon forward is written for sm_90 (wgmma, TMA)")
@@ -678,7 +679,8 @@ def test_gpu_gluon_forward_epilogue_warps(geglu, M, D, H, dtype, approximate, sa
         assert torch.equal(h, want), f"max diff {(h.float() - want.float()).abs().max()}"
     else:
         diff = (h.float() - want.float()).abs()
-        ulp = want.float().abs() * torch.finfo(dtype).eps + torch.finfo(dtype).tiny
+        # one unit in the last place of the larger of the two (h may round into the next binade: 1.984375 -> 2)
+        ulp = torch.maximum(want.float().abs(), h.float().abs()) * torch.finfo(dtype).eps + torch.finfo(dtype).tiny
         off = (diff > 0).float().mean().item()
         assert bool((diff <= ulp).all()) and off < 0.02, (diff.max().item(), off)
 
