@@ -111,7 +111,8 @@ def main():
             **({f"Gluon, {k}": (lambda kw=kw: gf.gate_up_geglu_ws(x, wg, wu, True, **kw), 2) for k, kw in (
                 ("BLOCK_K 32, 6 stages", dict(block_k=32, stages=6)), ("BLOCK_K 32, 5 stages", dict(block_k=32, stages=5)),
                 ("GROUP_M 8", dict(group_m=8)), ("GROUP_M 32", dict(group_m=32)), ("CHUNK 32", dict(chunk=32)),
-                ("epilogue regs 120", dict(epi_regs=120)))} if args.gluon_sweep else {}),
+                ("epilogue regs 120", dict(epi_regs=120)), ("CHUNK 32, epilogue regs 120", dict(chunk=32, epi_regs=120)))}
+               if args.gluon_sweep else {}),
             "train: paired, save g,u,h (PAIRED_LARGE)": (
                 lambda: kt.paired_gate_up_geglu(x, wg, wu, True, True, config=cfg), 2),
             "train: Gluon epilogue warps, save g,u,h": (lambda: gf.gate_up_geglu_ws(x, wg, wu, True, True), 2),
@@ -144,6 +145,11 @@ def main():
                 r = sorted(100 * b * units / 2 / a for a, b in zip(times[k], base))
                 rel = f"{_median(r):6.1f} % of cuBLAS's gate/up rate [{r[0]:.1f}, {r[-1]:.1f}]"
             print(f"  {k:<48} {t:9.1f} us  {units * unit / t / 1e6:6.0f} TFLOP/s  {rel}", flush=True)
+        paired = times[f"paired {cfg.label()} (GeGLU epilogue)"]
+        for k in [k for k in cands if k.startswith("Gluon")]:
+            r = sorted(a / b for a, b in zip(times[k], paired))
+            print(f"  {k}: per-round time ratio to the paired kernel {_median(r):.3f} [{r[0]:.3f}, {r[-1]:.3f}]",
+                  flush=True)
         # The ceiling row's down_proj reads h = g + u, whose values make the tensor cores draw different power than
         # a real h does; so also the sums of separately timed parts, each with a real h for down_proj.
         down = _median(times["down: mm(h, Wd^T)"])
