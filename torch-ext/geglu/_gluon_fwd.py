@@ -15,8 +15,11 @@ epilogue can gain with this tile. Here three partitions share each SM:
   epilogue's formulation, from the rounded g, u: one rounding fewer than eager's, no less accurate) and writes h
   (and with ``save`` g, u) to global memory, then frees the staging buffer.
 
-Not used by default; `benchmarks/epi_ceiling.py` times it against the paired kernel and cuBLAS. Needs Triton's Gluon
-(triton >= 3.5) and sm_90; imported lazily.
+Measured on the H200 (`benchmarks/epi_ceiling.py --gluon-sweep --rounds 11`, epi-ceiling.txt run 6): per-round time
+0.989 / 0.982 of the paired kernel's at 8192x4096x14336 / 8192x2304x9216 (the one-add ceiling: ~0.985 / ~0.965), h's
+error against fp64 3.0e-3 (eager 3.5e-3; the paired kernel, which applies the GeGLU to the fp32 accumulators,
+1.7e-3); with ``save`` no faster than the paired kernel. Not used by default (a 1-2 % gain within the rounds' spread,
+and the paired kernel is more accurate). Needs Triton's Gluon (triton >= 3.5) and sm_90; imported lazily.
 """
 
 from typing import Optional, Tuple
@@ -186,11 +189,12 @@ def descriptors(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, block
 
 def gate_up_geglu_ws(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, tanh: bool, save: bool = False,
                      out: Optional[torch.Tensor] = None, block_m: int = 128, block_n: int = 128, block_k: int = 64,
-                     stages: int = 3, group_m: int = 16, chunk: int = 16, epi_warps: int = 2, epi_regs: int = 152,
+                     stages: int = 3, group_m: int = 16, chunk: int = 16, epi_warps: int = 2, epi_regs: int = 120,
                      producer_regs: int = 24, num_sms: int = 0) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """h = gelu(x @ w_gate^T) * (x @ w_up^T) [M, H] (and with ``save`` gu = [g | u] [M, 2H], the pre-activations
     rounded to the storage dtype). x [M, D], the weights [H, D]: fp16/bf16 on one sm_90 device, unit last-dim
-    strides, 16-byte aligned rows (TMA). ``epi_regs``: the epilogue warpgroup's register budget (setmaxnreg)."""
+    strides, 16-byte aligned rows (TMA). ``epi_regs``: the epilogue warps' register budget (setmaxnreg; 120 was
+    1-2 % faster than 152 on the H200, epi-ceiling.txt runs 4 and 6, so the MMA warps get more)."""
     M, K = x.shape
     N = w_gate.shape[0]
     h = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
