@@ -11,6 +11,18 @@ APPROXIMATIONS = ("none", "tanh")
 _DTYPE_NAMES = "torch.float32, torch.float16 or torch.bfloat16"
 
 
+def env_switch(name: str, setting: Optional[str], default: bool, on: str, off: str) -> bool:
+    """An on/off environment variable: unset or empty is ``default``; 1/on/true/yes and 0/off/false/no (any case,
+    surrounding spaces ignored); anything else raises, naming the variable and what each value does (``on``, ``off``)."""
+    value = (setting or ("1" if default else "0")).strip().lower()
+    if value in ("1", "on", "true", "yes"):
+        return True
+    if value in ("0", "off", "false", "no"):
+        return False
+    raise ValueError(f"{name}={setting!r}: expected 1 ({on}{', the default' if default else ''}) or 0 "
+                     f"({off}{'' if default else ', the default'}).")
+
+
 def check_approximate(approximate: str) -> None:
     if approximate not in APPROXIMATIONS:
         raise ValueError(

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from . import _backend
 from . import _custom_ops as _pw
-from ._checks import check_approximate
+from ._checks import check_approximate, env_switch
 from ._ops import add_op_namespace_prefix
 
 # M <= DECODE_MAX_M: cuBLAS + the pointwise kernel (the fused kernel's smallest tile is 64 rows, and decode is bound
@@ -299,13 +299,7 @@ def fused_geglu_mlp_forward(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Opt
 
 def _enabled(setting: Optional[str]) -> bool:
     """GEGLU_FUSED_MLP: unset or "1" on, "0" off; anything else is a mistake worth naming."""
-    value = (setting or "1").strip().lower()
-    if value in ("1", "on", "true", "yes"):
-        return True
-    if value in ("0", "off", "false", "no"):
-        return False
-    raise ValueError(f"GEGLU_FUSED_MLP={setting!r}: expected 1 (use the fused MLP forward where it is faster, the "
-                     "default) or 0 (never).")
+    return env_switch("GEGLU_FUSED_MLP", setting, True, "use the fused MLP forward where it is faster", "never")
 
 
 ENABLED = _enabled(os.environ.get("GEGLU_FUSED_MLP"))

@@ -34,6 +34,7 @@ from torch import Tensor
 
 from . import _backend
 from . import _custom_ops as _pw
+from ._checks import env_switch
 
 # The fused kernels in the training step, opt-in. FUSED_FORWARD: the gate/up GEMM with the GeGLU in its epilogue,
 # writing g, u and h (`_fused_mlp_triton.gate_up_geglu`, TRAIN_FWD_CONFIG). FUSED_BACKWARD: dY @ Wd with the dGeGLU
@@ -70,13 +71,8 @@ SAVE_DERIVATIVE = False
 
 def _switch(setting: Optional[str]) -> bool:
     """GEGLU_FUSED_TRAINING: unset or "0" off, "1" on; anything else is a mistake worth naming."""
-    value = (setting or "0").strip().lower()
-    if value in ("1", "on", "true", "yes"):
-        return True
-    if value in ("0", "off", "false", "no"):
-        return False
-    raise ValueError(f"GEGLU_FUSED_TRAINING={setting!r}: expected 1 (GeGLUMLP's training step with the fused kernels "
-                     "where the Gluon backward runs) or 0 (eager's bits, the default).")
+    return env_switch("GEGLU_FUSED_TRAINING", setting, False, "GeGLUMLP's training step with the fused kernels where "
+                      "the Gluon backward runs", "eager's bits")
 
 
 # FUSED_TRAINING (GEGLU_FUSED_TRAINING=1), opt-in: one switch for the fastest measured combination, where it runs.
