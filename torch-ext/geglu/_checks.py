@@ -13,7 +13,8 @@ _DTYPE_NAMES = "torch.float32, torch.float16 or torch.bfloat16"
 
 def env_switch(name: str, setting: Optional[str], default: bool, on: str, off: str) -> bool:
     """An on/off environment variable: unset or empty is ``default``; 1/on/true/yes and 0/off/false/no (any case,
-    surrounding spaces ignored); anything else raises, naming the variable and what each value does (``on``, ``off``)."""
+    surrounding spaces ignored); anything else raises, naming the variable and what each value does (``on``,
+    ``off``)."""
     value = (setting or ("1" if default else "0")).strip().lower()
     if value in ("1", "on", "true", "yes"):
         return True

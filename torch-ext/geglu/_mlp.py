@@ -47,7 +47,7 @@ from ._checks import env_switch
 # the Triton interpreter in tests), and none is eager's bits (error against fp32 no worse than eager's:
 # tests/kernel/test_fused_mlp.py). Off by default: on the H200 (benchmarks/results/h200/bwd-probe.txt) the Triton
 # backward is slower than cuBLAS + our dGeGLU; the Gluon one is 9-13 % faster at 8192x2304x9216 and 3-4 % at
-# 8192x4096x14336. With it, the fused forward and SAVE_DERIVATIVE or ACCUMULATE_DX below, the step is 2.6-3.4 %
+# 8192x4096x14336. With it, the fused forward and SAVE_DERIVATIVE or ACCUMULATE_DX below, the step is 2.6-3.7 %
 # faster than torch.compile's at 8192x2304x9216 and 1-2 % at 8192x4096x14336 (median per-round ratios; the default
 # node: level with it), gains within about one rounds' spread that cost eager's bits (docs/fused-mlp.md).
 FUSED_FORWARD = False
@@ -55,9 +55,10 @@ FUSED_BACKWARD = False  # False, True (Triton), "gluon" or "gluon-fast"
 TRAIN_FWD_CONFIG = None  # None: the kernel module's choice for the shape
 TRAIN_BWD_CONFIG = None
 # ACCUMULATE_DX, opt-in (read when the forward runs, as the other flags): dx = d_g @ Wg, then d_u @ Wu accumulated
-# into it by the second GEMM (addmm_) instead of a second [M, D] output and a bf16 add (one kernel and one buffer fewer; on the CPU also one rounding fewer, while on
-# the H200 cuBLAS gave the same bits); and where d_g, d_u are the halves of one [M, 2H] buffer (the fused forward),
-# dW_gate and dW_up as one GEMM with N = 2H. Not guaranteed to be eager's bits, no less accurate.
+# into it by the second GEMM (addmm_) instead of a second [M, D] output and a bf16 add (one kernel and one buffer
+# fewer; on the CPU also one rounding fewer, while on the H200 cuBLAS gave the same bits); and where d_g, d_u are the
+# halves of one [M, 2H] buffer (the fused forward), dW_gate and dW_up as one GEMM with N = 2H. Not guaranteed to be
+# eager's bits, no less accurate.
 ACCUMULATE_DX = False
 # SAVE_DERIVATIVE, opt-in, with FUSED_FORWARD and the Gluon backward (FUSED_BACKWARD "gluon"/"gluon-fast" where it
 # runs; otherwise ignored): the forward's epilogue saves gelu(g) and u * gelu'(g) (from its fp32 accumulators, each
