@@ -42,8 +42,7 @@ MAXNREG = 168
 
 @gluon.jit
 def _producer(x_desc, wg_desc, wu_desc, a_bufs, b_bufs, ready, empty, M, N, K, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-              EPI_WARPS: gl.constexpr):
+              BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
     num_pid_m = gl.cdiv(M, BLOCK_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_tiles = gl.cdiv(K, BLOCK_K)
@@ -172,7 +171,7 @@ def _gate_up_geglu_ws_kernel(x_desc, wg_desc, wu_desc, h_ptr, g_ptr, u_ptr, M, N
         (_epilogue, (stage, epi_ready, epi_free, h_ptr, g_ptr, u_ptr, M, N, stride_h, stride_g, stride_u, BLOCK_M,
                      BLOCK_N, GROUP_M, CHUNK, TANH, SAVE, EVEN, EPI_WARPS, K_BETA_TANH, K_KAPPA, K_ALPHA)),
         (_producer, (x_desc, wg_desc, wu_desc, a_bufs, b_bufs, ready, empty, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K,
-                     STAGES, GROUP_M, EPI_WARPS)),
+                     STAGES, GROUP_M)),
     ], [EPI_WARPS, 1], [EPI_REGS, PRODUCER_REGS])
 
 
