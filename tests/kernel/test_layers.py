@@ -98,12 +98,18 @@ def test_packed_layers(build_dir):
         kernelize(model, mode=Mode.TRAINING, device=device)
     x = randn(2, 3, 64, dtype=torch.bfloat16, device=device, scale=3).requires_grad_()
     y = model(x)
-    d = 32
-    h = F.gelu(x.detach()[..., :d]) * x.detach()[..., d:]
-    ref = F.gelu(h[..., :16].contiguous(), approximate="tanh") * h[..., 16:].contiguous()
+    # The reference is eager on contiguous halves: the CPU promise (eager's own CPU kernels round differently on
+    # strided views, and the CPU implementation computes on contiguous copies); on the GPU the layout does not matter.
+    x_ref = x.detach().clone().requires_grad_()
+    a, b = x_ref.chunk(2, dim=-1)
+    h = F.gelu(a.contiguous()) * b.contiguous()
+    h1, h2 = h.chunk(2, dim=-1)
+    ref = F.gelu(h1.contiguous(), approximate="tanh") * h2.contiguous()
     assert torch.equal(y, ref)
-    y.sum().backward()
-    assert x.grad.shape == x.shape and torch.isfinite(x.grad.float()).all()
+    dy = randn(*y.shape, dtype=torch.bfloat16, device=device)
+    y.backward(dy)
+    ref.backward(dy)
+    assert torch.equal(x.grad, x_ref.grad)
 
 
 def test_compile_mode_accepted(build_dir):
