@@ -18,7 +18,7 @@ SUBCOMMANDS = [
     "kerneltools.publish",  # publish
     "kerneltools.bench",  # bench
     "kerneltools.demo",  # demo
-    "kerneltools.profile",  # profile
+    "kerneltools.bench.profile",  # profile
     "kerneltools.lock",  # prefetch
 ]
 

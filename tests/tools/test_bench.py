@@ -6,7 +6,7 @@ import sys
 
 from toolhelpers import REPO_ROOT
 
-from kerneltools import bench
+from kerneltools.bench import common, mlp as bench
 
 
 def _row(impl, fwd, fwd_bwd):
@@ -28,7 +28,7 @@ def test_mlp_markdown_marks_forward_only_rows():
 
 
 def test_median_takes_the_middle_value():
-    assert bench._median([3.0, 1.0, 2.0]) == 2.0 and bench._median([5.0]) == 5.0
+    assert common.median([3.0, 1.0, 2.0]) == 2.0 and common.median([5.0]) == 5.0
 
 
 def test_bench_cli_errors_before_any_gpu_work():
@@ -47,11 +47,11 @@ def test_bench_cli_errors_before_any_gpu_work():
 
 def test_pair_schedule_pairs_everyone_with_eager_in_both_places():
     others = ["torch.compile", "liger", "ours", bench.UNFUSED_ROW]
-    pairs = bench._pair_schedule(others, 3)
+    pairs = common.pair_schedule(others, 3)
     assert len(pairs) == 3 * len(others) and all(len(p) == 2 and "eager" in p for p in pairs)
     for r in range(3):  # every implementation once per round
         assert sorted(n for p in pairs[r * 4:(r + 1) * 4] for n in p if n != "eager") == sorted(others)
     for name in others:  # eager both before and after each implementation over the rounds
         places = {p.index("eager") for p in pairs if name in p}
         assert places == {0, 1}, name
-    assert bench._pair_schedule(["ours"], 2) == [["eager", "ours"], ["ours", "eager"]]
+    assert common.pair_schedule(["ours"], 2) == [["eager", "ours"], ["ours", "eager"]]

@@ -18,7 +18,7 @@ def _setups(geglu, D: int, H: int):
     import torch
     from torch import nn
 
-    from .bench import mlp_impls
+    from .mlp import mlp_impls
 
     lin = nn.Linear(D, H, bias=True).to("cuda", torch.bfloat16)
     mlps = mlp_impls(geglu, D, H)
@@ -110,12 +110,12 @@ def main(args) -> int:
     if not torch.cuda.is_available():
         print("error: profiling needs a CUDA GPU.", file=sys.stderr)
         return 2
-    from .bench import _git_commit
+    from .common import git_commit
 
     M, D, H = (int(v) for v in args.shape.split(","))
     rows = profile_setups(args.build_dir, M, D, H, args.trace)
     meta = dict(card=torch.cuda.get_device_name(), torch=torch.__version__, M=M, D=D, H=H,
-                commit=_git_commit(Path(__file__).resolve().parents[1]),
+                commit=git_commit(),
                 date=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "profile.md").write_text(to_markdown(rows, meta))

@@ -1,0 +1,617 @@
+"""Whole-model benchmark: what ``kernelize`` gives a transformers model in the modes people run.
+
+Models are built from real transformers configs with random weights (no downloads):
+
+* ``gemma3-4b``: Gemma 3 4B's text model (hidden 2560, intermediate 10240, 8 heads, 4 KV heads, head_dim 256,
+  vocab 262208), 16 of its 34 layers;
+* ``gemma2-2b``: Gemma 2 2B (hidden 2304, intermediate 9216, 26 layers, soft-capping: eager attention);
+* ``t5-v1.1-base``: T5 v1.1 base (d_model 768, d_ff 2048, 12 + 12 layers, gated-gelu), encoder-decoder;
+* ``modernbert-base``: ModernBERT base (hidden 768, intermediate 1152, 22 layers), encoder.
+
+Each model runs as ``eager``, ``kernelized`` (``kernels.kernelize`` with this project's mapping,
+``register_geglu_kernels``, the kernel loaded by kernels' loader from ``--build-dir`` through ``LOCAL_KERNELS``),
+``compile`` (``torch.compile`` of the model's forward) and ``kernelized+compile``, in interleaved rounds (the order
+rotates every round), and reports per part the median time, tokens/s, and the median [min, max] of the per-round
+ratios to eager and to compile; the first call's time (compilation), the peak memory of one call, and the number
+of Dynamo graphs over a sweep of sequence lengths.
+
+Parts: ``prefill`` (batch x seq tokens, with the KV cache, logits of the last position as ``generate`` computes
+them; encoders: the whole forward), ``decode`` (greedy ``generate`` of ``--new-tokens`` tokens at batch 1 and 8
+after a short prompt; not for encoders), ``train`` (forward, backward and an AdamW step).
+
+    python -m kerneltools bench --model gemma3-4b [--model t5-v1.1-base ...] [--parts prefill,decode,train]
+        [--modes eager,kernelized,compile,kernelized+compile] [--rounds 5] [--out DIR]
+
+``--tiny`` shrinks every model to a few layers of small width (for the CPU test; timings then mean nothing).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from .common import meta, median, round_order
+
+MODES = ("eager", "kernelized", "compile", "kernelized+compile")
+PARTS = ("prefill", "decode", "train")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    kind: str  # "causal", "seq2seq" or "encoder"
+    auto_class: str  # transformers Auto class for from_config
+    config: Callable[[bool], Any]  # tiny -> config
+    prefill: tuple  # (batch, seq)
+    train: tuple  # (batch, seq)
+    source: str
+    attn: str = "sdpa"
+
+
+def _gemma3(tiny: bool):
+    from transformers import Gemma3TextConfig
+
+    if tiny:
+        return Gemma3TextConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=2,
+                                num_key_value_heads=1, head_dim=32, vocab_size=256, sliding_window=16)
+    return Gemma3TextConfig(hidden_size=2560, intermediate_size=10240, num_hidden_layers=16, num_attention_heads=8,
+                            num_key_value_heads=4, head_dim=256, vocab_size=262208, sliding_window=1024,
+                            query_pre_attn_scalar=256)
+
+
+def _gemma2(tiny: bool):
+    from transformers import Gemma2Config
+
+    if tiny:
+        return Gemma2Config(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=2,
+                            num_key_value_heads=1, head_dim=32, vocab_size=256, sliding_window=16)
+    return Gemma2Config(hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+                        num_key_value_heads=4, head_dim=256, vocab_size=256000, sliding_window=4096,
+                        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=256)
+
+
+def _t5(tiny: bool):
+    from transformers import T5Config
+
+    if tiny:
+        return T5Config(d_model=64, d_ff=160, num_layers=2, num_decoder_layers=2, num_heads=2, d_kv=32,
+                        vocab_size=256, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+                        decoder_start_token_id=0)
+    return T5Config(d_model=768, d_ff=2048, num_layers=12, num_decoder_layers=12, num_heads=12, d_kv=64,
+                    vocab_size=32128, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+                    decoder_start_token_id=0)
+
+
+def _modernbert(tiny: bool):
+    from transformers import ModernBertConfig
+
+    if tiny:
+        return ModernBertConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=2,
+                                vocab_size=256, local_attention=16, global_attn_every_n_layers=3, pad_token_id=0,
+                                bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
+    return ModernBertConfig(hidden_size=768, intermediate_size=1152, num_hidden_layers=22, num_attention_heads=12,
+                            vocab_size=50368, local_attention=128, global_attn_every_n_layers=3)
+
+
+MODELS = {
+    "gemma3-4b": ModelSpec("gemma3-4b", "causal", "AutoModelForCausalLM", _gemma3, (8, 2048), (2, 2048),
+                           "google/gemma-3-4b-pt text config, 16 of 34 layers"),
+    "gemma2-2b": ModelSpec("gemma2-2b", "causal", "AutoModelForCausalLM", _gemma2, (8, 2048), (2, 2048),
+                           "google/gemma-2-2b config (soft-capping: eager attention)", attn="eager"),
+    "t5-v1.1-base": ModelSpec("t5-v1.1-base", "seq2seq", "AutoModelForSeq2SeqLM", _t5, (8, 512), (8, 512),
+                              "google/t5-v1_1-base config (decoder: 1 token in prefill, 128 in training)"),
+    "modernbert-base": ModelSpec("modernbert-base", "encoder", "AutoModelForMaskedLM", _modernbert, (8, 1024),
+                                 (8, 1024), "answerdotai/ModernBERT-base config"),
+}
+TINY_SHAPES = dict(prefill=(2, 24), train=(2, 24))
+DECODE_BATCHES = (1, 8)
+
+
+@dataclass
+class Setup:
+    spec: ModelSpec
+    device: str
+    dtype: Any
+    tiny: bool
+    models: dict = field(default_factory=dict)  # "eager" / "kernelized" -> nn.Module
+    compiled: dict = field(default_factory=dict)  # same keys -> torch.compile(model.forward)
+    optimizers: dict = field(default_factory=dict)
+    new_tokens: int = 32
+    kernelized_mode: Any = None  # the Mode the kernelized model was last kernelized with
+
+
+def build_models(spec: ModelSpec, build_dir: Path, device: str, dtype, tiny: bool, backend: str,
+                 repo_id: str) -> Setup:
+    """The eager model (random weights, seeded) and a kernelized deep copy; compiled forwards of both."""
+    import torch
+    import transformers
+    from kernels import Mode, kernelize
+
+    from kerneltools.transformers_kernels import register_geglu_kernels
+
+    # kernels' own loader, pointed at the local build: LOCAL_KERNELS overrides the Hub for this repo id
+    os.environ["LOCAL_KERNELS"] = f"{repo_id}={Path(build_dir).resolve()}"
+    register_geglu_kernels(repo_id, revision="local", devices=(device,))
+    torch.manual_seed(0)
+    config = spec.config(tiny)
+    config._attn_implementation = spec.attn
+    auto = getattr(transformers, spec.auto_class)
+    with torch.device(device):
+        eager = auto.from_config(config, dtype=dtype, attn_implementation=spec.attn)
+    eager.eval()
+    kern = copy.deepcopy(eager)
+    kernelize(kern, mode=Mode.INFERENCE, device=device)
+    s = Setup(spec, device, dtype, tiny, models={"eager": eager, "kernelized": kern}, kernelized_mode=Mode.INFERENCE)
+    for name, m in s.models.items():
+        s.compiled[name] = torch.compile(m.forward, backend=backend)
+    return s
+
+
+def _mode_model(s: Setup, mode: str):
+    return s.models["kernelized" if mode.startswith("kernelized") else "eager"]
+
+
+@contextlib.contextmanager
+def _as_mode(s: Setup, mode: str):
+    """The module to call for ``mode``: compiled modes swap the compiled forward in for the duration (so that
+    ``generate`` and the loss computation inside the forward run compiled too)."""
+    m = _mode_model(s, mode)
+    if "compile" in mode:
+        m.forward = s.compiled["kernelized" if mode.startswith("kernelized") else "eager"]
+        try:
+            yield m
+        finally:
+            del m.forward
+    else:
+        yield m
+
+
+def _kernelize_for(s: Setup, mode: str, training: bool) -> None:
+    """kernelize the kernelized model with the mode a user would give for this part, when it changes (kernelize
+    binds new forward methods, which a compiled graph's guards would see as a change)."""
+    if not mode.startswith("kernelized"):
+        return
+    from kernels import Mode, kernelize
+
+    m = Mode.TRAINING if training else Mode.INFERENCE
+    if "compile" in mode:
+        m = m | Mode.TORCH_COMPILE
+    if s.kernelized_mode != m:
+        kernelize(s.models["kernelized"], mode=m, device=s.device)
+        s.kernelized_mode = m
+
+
+def _ids(s: Setup, batch: int, seq: int, seed: int = 1):
+    import torch
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    vocab = s.models["eager"].config.vocab_size
+    return torch.randint(3, vocab, (batch, seq), generator=g).to(s.device)
+
+
+def _train_kwargs(s: Setup) -> dict:
+    b, n = TINY_SHAPES["train"] if s.tiny else s.spec.train
+    ids = _ids(s, b, n, seed=2)
+    kwargs = dict(input_ids=ids, labels=ids)
+    if s.spec.kind == "seq2seq":
+        kwargs["labels"] = _ids(s, b, max(n // 4, 4), seed=3)
+    return kwargs
+
+
+def make_part(s: Setup, part: str, batch: int | None = None):
+    """(fn(model) running one unit of the part, tokens per unit, training?) for the part."""
+    import torch
+
+    spec = s.spec
+    if part == "prefill":
+        b, n = TINY_SHAPES["prefill"] if s.tiny else spec.prefill
+        ids = _ids(s, b, n)
+        if spec.kind == "causal":
+            def fn(m):
+                with torch.no_grad():
+                    return m(input_ids=ids, use_cache=True, logits_to_keep=1).logits
+        elif spec.kind == "seq2seq":
+            dec = torch.zeros(b, 1, dtype=torch.long, device=s.device)
+
+            def fn(m):
+                with torch.no_grad():
+                    return m(input_ids=ids, decoder_input_ids=dec, use_cache=True).logits
+        else:
+            def fn(m):
+                with torch.no_grad():
+                    return m(input_ids=ids).logits
+        return fn, b * n, False
+    if part == "decode":
+        new = s.new_tokens
+        prompt = _ids(s, batch, 16)
+
+        def fn(m):
+            with torch.no_grad():
+                return m.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new,
+                                  min_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None)
+        return fn, batch * new, False
+    if part == "train":
+        kwargs = _train_kwargs(s)
+        b, n = kwargs["input_ids"].shape
+
+        def fn(m):
+            opt = s.optimizers[id(m)]
+            loss = m(**kwargs).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+        return fn, b * n, True
+    raise ValueError(f"unknown part {part!r}; expected one of {', '.join(PARTS)}")
+
+
+def _sync(s: Setup) -> None:
+    import torch
+
+    if s.device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time_once(s: Setup, fn, m) -> float:
+    _sync(s)
+    t0 = time.perf_counter()
+    fn(m)
+    _sync(s)
+    return time.perf_counter() - t0
+
+
+def _peak_mib(s: Setup, fn, m) -> float | None:
+    import torch
+
+    if s.device != "cuda":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn(m)
+    torch.cuda.synchronize()
+    return round((torch.cuda.max_memory_allocated() - before) / 2**20, 1)
+
+
+def _ratios(times: dict, base: str) -> dict:
+    """Per mode: median [min, max] of the per-round ratio of its time to ``base``'s in the same round."""
+    out = {}
+    if base not in times:
+        return out
+    for mode, ts in times.items():
+        rs = [t / b for t, b in zip(ts, times[base])]
+        out[mode] = [round(median(rs), 3), round(min(rs), 3), round(max(rs), 3)]
+    return out
+
+
+def run_part(s: Setup, part: str, modes: list, rounds: int, reps: int, batch: int | None = None, log=print) -> dict:
+    """Times one part in interleaved rounds for every mode; returns its row."""
+    import torch
+
+    fn, tokens, training = make_part(s, part, batch)
+    first, peaks, times = {}, {}, {mode: [] for mode in modes}
+    for m in s.models.values():
+        m.train(training)
+        if training and id(m) not in s.optimizers:
+            s.optimizers[id(m)] = torch.optim.AdamW(m.parameters(), lr=1e-6)
+    for mode in modes:  # first call (compilation, the fused path's one-time timing), then a warm-up
+        _kernelize_for(s, mode, training)
+        with _as_mode(s, mode) as m:
+            first[mode] = round(_time_once(s, fn, m), 3)
+            _time_once(s, fn, m)
+            peaks[mode] = _peak_mib(s, fn, m)
+    for r in range(rounds):
+        for mode in round_order(list(modes), r):
+            _kernelize_for(s, mode, training)
+            with _as_mode(s, mode) as m:
+                times[mode].append(median([_time_once(s, fn, m) for _ in range(reps)]))
+    label = part if batch is None else f"{part} b{batch}"
+    row = dict(part=label, tokens=tokens, modes={})
+    vs_eager, vs_compile = _ratios(times, "eager"), _ratios(times, "compile")
+    for mode in modes:
+        t = median(times[mode])
+        row["modes"][mode] = dict(ms=round(t * 1e3, 2), tokens_per_s=round(tokens / t, 1),
+                                  vs_eager=vs_eager.get(mode), vs_compile=vs_compile.get(mode),
+                                  first_call_s=first[mode], peak_mib=peaks[mode])
+    log(f"{s.spec.name} {label}: " + ", ".join(
+        f"{mode} {row['modes'][mode]['ms']} ms ({row['modes'][mode]['vs_eager']})" for mode in modes))
+    for m in s.models.values():
+        m.eval()
+    return row
+
+
+KERNEL_CATEGORIES = (  # (category, substrings of the CUDA kernel name), first match wins
+    ("geglu (ours)", ("geglu", "gate_up", "down_dgeglu")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "sm80_", "matmul", "mm_")),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "efficient")),
+    ("optimizer", ("adam", "foreach", "multi_tensor", "fused_adam")),
+    ("softmax / loss", ("softmax", "cross_entropy", "nll", "log_softmax")),
+    ("reduction / norm", ("reduce", "norm", "triton_red", "triton_per", "mean", "sum")),
+    ("copy / cast", ("copy", "cat", "memcpy", "memset", "fill", "index", "gather", "scatter", "embedding")),
+    ("pointwise", ("elementwise", "vectorized", "unrolled", "triton_poi", "gelu", "mul", "add", "tanh", "pow",
+                   "rsqrt", "where", "neg")),
+)
+
+
+def _category(name: str) -> str:
+    low = name.lower()
+    for cat, keys in KERNEL_CATEGORIES:
+        if any(k in low for k in keys):
+            return cat
+    return "other"
+
+
+def _autograd_nodes(t) -> dict:
+    """Names of the autograd nodes behind ``t`` (counts): shows which training path ran."""
+    seen, stack, counts = set(), [t.grad_fn], {}
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        name = type(node).__name__
+        counts[name] = counts.get(name, 0) + 1
+        stack.extend(fn for fn, _ in node.next_functions)
+    return counts
+
+
+def profile_part(s: Setup, part: str, modes: list, batch: int | None = None) -> dict:
+    """One call of the part per mode under torch.profiler: CUDA time by kernel category, the largest kernels, and
+    (training) the autograd nodes that recorded the MLPs."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn, _, training = make_part(s, part, batch)
+    out = {}
+    for m in s.models.values():
+        m.train(training)
+    for mode in modes:
+        _kernelize_for(s, mode, training)
+        with _as_mode(s, mode) as m:
+            fn(m)
+            _sync(s)
+            nodes = None
+            if training and "compile" not in mode:
+                loss = m(**_train_kwargs(s)).loss
+                nodes = {k: v for k, v in _autograd_nodes(loss).items() if "GeGLU" in k or "Gelu" in k
+                         or "Mul" in k}
+                loss.backward()
+                s.optimizers[id(m)].zero_grad(set_to_none=True)
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if s.device == "cuda" else [])
+            with profile(activities=acts) as prof:
+                fn(m)
+                _sync(s)
+        cats, kernels_ = {}, {}
+        for e in prof.events():
+            if e.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            cats[_category(e.name)] = cats.get(_category(e.name), 0.0) + e.device_time
+            kernels_[e.name] = kernels_.get(e.name, 0.0) + e.device_time
+        top = sorted(kernels_.items(), key=lambda kv: -kv[1])[:8]
+        out[mode] = dict(gpu_ms=round(sum(cats.values()) / 1e3, 2),
+                         categories={k: round(v / 1e3, 2) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
+                         top=[(k[:90], round(v / 1e3, 2)) for k, v in top], autograd_nodes=nodes)
+    for m in s.models.values():
+        m.eval()
+    return out
+
+
+def count_graphs(s: Setup, lengths: list, backend: str) -> dict:
+    """Dynamo graphs made by ``torch.compile`` of the eager and of the kernelized model over prefill at each of
+    ``lengths`` (a fresh compile each; ``backend`` compiles them: the graph count is Dynamo's, whatever the
+    backend)."""
+    import torch
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    out = {}
+    for name, m in s.models.items():
+        _kernelize_for(s, "kernelized+compile" if name == "kernelized" else "compile", False)
+        torch._dynamo.reset()
+        counters.clear()
+        cf = torch.compile(m.forward, backend=backend)
+        for n in lengths:
+            ids = _ids(s, 1, n, seed=n)
+            with torch.no_grad():
+                if s.spec.kind == "causal":
+                    cf(input_ids=ids, use_cache=True, logits_to_keep=1)
+                elif s.spec.kind == "seq2seq":
+                    cf(input_ids=ids, decoder_input_ids=torch.zeros(1, 1, dtype=torch.long, device=s.device))
+                else:
+                    cf(input_ids=ids)
+        out["compile" if name == "eager" else "kernelized+compile"] = int(counters["stats"]["unique_graphs"])
+    torch._dynamo.reset()
+    return out
+
+
+def run_model(name: str, build_dir: Path, *, parts: list, modes: list, rounds: int, reps: int, device: str,
+              tiny: bool, backend: str, new_tokens: int, graph_lengths: list, graph_backend: str,
+              repo_id: str, profile: bool = False, log=print) -> dict:
+    import torch
+
+    spec = MODELS[name]
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    s = build_models(spec, build_dir, device, dtype, tiny, backend, repo_id)
+    s.new_tokens = new_tokens
+    res = dict(model=name, source=spec.source, kind=spec.kind, dtype=str(dtype).replace("torch.", ""),
+               layers=s.models["eager"].config.num_hidden_layers, rows=[])
+    for part in parts:
+        if part == "decode":
+            if spec.kind == "encoder":
+                continue
+            for b in DECODE_BATCHES:
+                res["rows"].append(run_part(s, "decode", modes, rounds, reps, batch=b, log=log))
+                if profile:
+                    res["rows"][-1]["profile"] = profile_part(s, "decode", modes, batch=b)
+        else:
+            res["rows"].append(run_part(s, part, modes, rounds, reps, log=log))
+            if profile:
+                res["rows"][-1]["profile"] = profile_part(s, part, modes)
+        if profile:
+            for mode, p in res["rows"][-1]["profile"].items():
+                log(f"  profile {res['rows'][-1]['part']} {mode}: GPU {p['gpu_ms']} ms {p['categories']}"
+                    + (f" nodes {p['autograd_nodes']}" if p["autograd_nodes"] else ""))
+    if graph_lengths and any("compile" in m for m in modes):
+        res["graphs"] = count_graphs(s, graph_lengths, graph_backend)
+        res["graph_lengths"] = graph_lengths
+        res["graph_backend"] = graph_backend
+        log(f"{name} graphs over prefill lengths {graph_lengths}: {res['graphs']}")
+    del s
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return res
+
+
+def _cell(v) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, list):
+        return f"{v[0]:.3f} [{v[1]:.3f}, {v[2]:.3f}]"
+    return str(v)
+
+
+def to_markdown(result: dict) -> str:
+    m = result["meta"]
+    lines = [f"# Whole models through kernelize on {m['card']}", "",
+             f"{m['date']}, commit {m['commit']}, torch {m['torch']}, triton {m['triton']}, CUDA {m['cuda']}, "
+             f"transformers {m.get('transformers')}, kernels {m.get('kernels')}; {result['rounds']} interleaved "
+             f"rounds of {result['reps']} calls (median per round), compile backend `{result['backend']}`.", "",
+             "Ratios are the median [min, max] over the rounds of the mode's time divided by eager's (or compile's) "
+             "in the same round: below 1 is faster. First call: wall time of the first call (compilation and the "
+             "fused path's one-time timing included). Peak: memory allocated above the model during one call.", ""]
+    for res in result["models"]:
+        lines += [f"## {res['model']} ({res['source']}; {res['layers']} layers, {res['dtype']})", "",
+                  "| part | mode | ms | tokens/s | / eager | / compile | first call s | peak MiB |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for row in res["rows"]:
+            for mode, v in row["modes"].items():
+                lines.append(f"| {row['part']} | {mode} | {v['ms']} | {v['tokens_per_s']} | {_cell(v['vs_eager'])} "
+                             f"| {_cell(v['vs_compile'])} | {v['first_call_s']} | {_cell(v['peak_mib'])} |")
+        if "graphs" in res:
+            lines += ["", f"Dynamo graphs over prefill lengths {res['graph_lengths']} (backend "
+                      f"`{res['graph_backend']}`): " + ", ".join(f"{k} {v}" for k, v in res["graphs"].items())]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def summary_markdown(result: dict) -> str:
+    """One line per model and part: kernelized / eager and kernelized+compile / compile (the README's table)."""
+    lines = ["| model | part | kernelized / eager | kernelized+compile / compile | graphs (compile, kernelized) |",
+             "|---|---|---|---|---|"]
+    for res in result["models"]:
+        g = res.get("graphs", {})
+        graphs = f"{g.get('compile', '–')}, {g.get('kernelized+compile', '–')}" if g else "–"
+        for row in res["rows"]:
+            k = row["modes"].get("kernelized", {}).get("vs_eager")
+            kc = row["modes"].get("kernelized+compile", {}).get("vs_compile")
+            lines.append(f"| {res['model']} | {row['part']} | {_cell(k)} | {_cell(kc)} | {graphs} |")
+            graphs = ""
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    """Ratio to eager per part and mode, one panel per model."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:
+        return
+    models = result["models"]
+    fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 3.6), squeeze=False)
+    for ax, res in zip(axes[0], models):
+        parts = [row["part"] for row in res["rows"]]
+        modes = [mo for mo in MODES if mo != "eager" and all(mo in row["modes"] for row in res["rows"])]
+        w = 0.8 / max(len(modes), 1)
+        for i, mode in enumerate(modes):
+            vals = [row["modes"][mode]["vs_eager"][0] for row in res["rows"]]
+            ax.bar([j + i * w for j in range(len(parts))], vals, w, label=mode)
+        ax.axhline(1.0, color="k", lw=0.6)
+        ax.set_xticks([j + 0.4 - w / 2 for j in range(len(parts))], parts, fontsize=8)
+        ax.set_title(res["model"], fontsize=9)
+        ax.set_ylabel("time / eager (lower is faster)", fontsize=8)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"kernelize on {result['meta']['card']} (commit {result['meta']['commit']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def run(args, log=print) -> dict:
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
+    names = list(MODELS) if "all" in args.model else args.model
+    for n in names:
+        if n not in MODELS:
+            raise SystemExit(f"error: unknown model {n!r}; expected one of {', '.join(MODELS)} or all.")
+    parts = args.parts.split(",")
+    modes = args.modes.split(",")
+    for p in parts:
+        if p not in PARTS:
+            raise SystemExit(f"error: unknown part {p!r}; expected some of {','.join(PARTS)}.")
+    for mo in modes:
+        if mo not in MODES:
+            raise SystemExit(f"error: unknown mode {mo!r}; expected some of {','.join(MODES)}.")
+    if "eager" not in modes:
+        raise SystemExit("error: --modes must include eager (every ratio is taken against it).")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch._dynamo.config.cache_size_limit = 64
+    lengths = [int(v) for v in args.graph_lengths.split(",")] if args.graph_lengths else []
+    result = dict(meta=meta(torch), device=device, rounds=args.rounds, reps=args.reps, backend=args.backend,
+                  models=[])
+    for n in names:
+        result["models"].append(run_model(
+            n, args.build_dir, parts=parts, modes=modes, rounds=args.rounds, reps=args.reps, device=device,
+            tiny=args.tiny, backend=args.backend, new_tokens=args.new_tokens, graph_lengths=lengths,
+            graph_backend=args.graph_backend, repo_id=args.repo_id, profile=args.profile, log=log))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "model.json").write_text(json.dumps(result, indent=1))
+        (args.out / "model.md").write_text(to_markdown(result) + "\n## Summary\n\n" + summary_markdown(result))
+        plot(result, args.out / "model.png")
+    return result
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", action="append", default=None,
+                   help=f"model(s) for the whole-model benchmark: {', '.join(MODELS)} or all (repeatable)")
+    p.add_argument("--parts", default=",".join(PARTS), help="comma-separated: prefill,decode,train")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated: " + ",".join(MODES))
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
+    p.add_argument("--reps", type=int, default=3, help="calls per mode per round; the round keeps their median")
+    p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per decode call (default 32)")
+    p.add_argument("--backend", default="inductor", help="torch.compile backend of the compile modes")
+    p.add_argument("--graph-lengths", default="16,40,97,256,1000",
+                   help="prefill lengths for the graph count (empty: skip)")
+    p.add_argument("--graph-backend", default="aot_eager",
+                   help="backend for the graph count (Dynamo's graphs do not depend on it; aot_eager is fast)")
+    p.add_argument("--tiny", action="store_true", help="tiny configs (the CPU test; timings mean nothing)")
+    p.add_argument("--cpu", action="store_true", help="run on the CPU even where a GPU is present")
+    p.add_argument("--repo-id", default=None, help="the kernel's repo id (default: build.toml's)")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile one call per part and mode: GPU time by kernel category, top kernels, and the "
+                        "autograd nodes of the training step")
+
+
+def main(args) -> int:
+    if args.repo_id is None:
+        from kerneltools.transformers_kernels import DEFAULT_REPO_ID
+
+        args.repo_id = DEFAULT_REPO_ID
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    print("use: python -m kerneltools bench --model NAME", file=sys.stderr)
+    sys.exit(2)
