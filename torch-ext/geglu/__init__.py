@@ -1,11 +1,13 @@
 """GeGLU kernels: ``out = gelu(gate) * up`` (exact and tanh GELU), forward and backward, fp32/fp16/bf16.
 
 CUDA tensors run the compiled CUDA library when this build variant ships it, else Triton kernels; CPU tensors run
-a CPU implementation with eager PyTorch's numerics. See ``set_backend`` to choose explicitly.
+a CPU implementation with eager PyTorch's numerics. ``configure`` (or the ``GEGLU_*`` environment variables) sets
+which implementation runs and whether the MLP layer may use its fused kernels.
 """
 
 from . import layers
 from ._backend import get_backend, set_backend
+from ._config import Config, configure, get_config
 from ._ops import HAS_CUDA_LIB, ops
 from .functional import geglu, geglu_backward, geglu_packed, gelu_and_mul, gelu_tanh_and_mul
 
@@ -15,6 +17,9 @@ __all__ = [
     "geglu_backward",
     "gelu_and_mul",
     "gelu_tanh_and_mul",
+    "configure",
+    "get_config",
+    "Config",
     "set_backend",
     "get_backend",
     "HAS_CUDA_LIB",

@@ -5,23 +5,11 @@ from typing import Optional
 
 import torch
 
+from ._activations import APPROXIMATIONS
+
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-APPROXIMATIONS = ("none", "tanh")
 
 _DTYPE_NAMES = "torch.float32, torch.float16 or torch.bfloat16"
-
-
-def env_switch(name: str, setting: Optional[str], default: bool, on: str, off: str) -> bool:
-    """An on/off environment variable: unset or empty is ``default``; 1/on/true/yes and 0/off/false/no (any case,
-    surrounding spaces ignored); anything else raises, naming the variable and what each value does (``on``,
-    ``off``)."""
-    value = (setting or ("1" if default else "0")).strip().lower()
-    if value in ("1", "on", "true", "yes"):
-        return True
-    if value in ("0", "off", "false", "no"):
-        return False
-    raise ValueError(f"{name}={setting!r}: expected 1 ({on}{', the default' if default else ''}) or 0 "
-                     f"({off}{'' if default else ', the default'}).")
 
 
 def check_approximate(approximate: str) -> None:
@@ -30,6 +18,11 @@ def check_approximate(approximate: str) -> None:
             f"geglu: approximate={approximate!r} is not supported; expected 'none' (exact erf GELU) or 'tanh' "
             "(the tanh approximation, transformers' gelu_pytorch_tanh)."
         )
+
+
+def is_tanh(approximate: str) -> bool:
+    """The kernels' flag for a validated ``approximate``: True for the tanh GELU, False for the exact one."""
+    return approximate == "tanh"
 
 
 def _check_one(name: str, t: torch.Tensor) -> None:

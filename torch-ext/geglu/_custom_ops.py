@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from . import _backend, _cpu, _direct
-from ._checks import check_backward, check_packed, check_split
+from ._checks import check_backward, check_packed, check_split, is_tanh
 from ._ops import add_op_namespace_prefix, ops
 
 _triton_mod = None
@@ -46,12 +46,12 @@ _DIRECT = _direct.AVAILABLE
 def _run_fwd(out2: Tensor, g2: Tensor, u2: Tensor, approximate: str, fresh_out: bool = False) -> None:
     impl = _backend.impl_for(g2.device.type, g2.numel())
     if impl == "cuda":
-        tanh = approximate == "tanh"
+        tanh = is_tanh(approximate)
         if not (_DIRECT and _direct.fwd(out2, g2, u2, tanh, fresh_out)):
             _CUDA_FWD(out2, g2, u2, tanh)
     elif impl == "triton":
         _check_triton_device(g2)
-        _triton().geglu_fwd(out2, g2, u2, approximate == "tanh")
+        _triton().geglu_fwd(out2, g2, u2, is_tanh(approximate))
     else:
         _cpu.geglu_fwd(out2, g2, u2, approximate)
 
@@ -59,12 +59,12 @@ def _run_fwd(out2: Tensor, g2: Tensor, u2: Tensor, approximate: str, fresh_out: 
 def _run_bwd(dg2: Tensor, du2: Tensor, dy2: Tensor, g2: Tensor, u2: Tensor, approximate: str) -> None:
     impl = _backend.impl_for(g2.device.type, g2.numel())
     if impl == "cuda":
-        tanh = approximate == "tanh"
+        tanh = is_tanh(approximate)
         if not (_DIRECT and _direct.bwd(dg2, du2, dy2, g2, u2, tanh)):
             _CUDA_BWD(dg2, du2, dy2, g2, u2, tanh)
     elif impl == "triton":
         _check_triton_device(g2)
-        _triton().geglu_bwd(dg2, du2, dy2, g2, u2, approximate == "tanh")
+        _triton().geglu_bwd(dg2, du2, dy2, g2, u2, is_tanh(approximate))
     else:
         _cpu.geglu_bwd(dg2, du2, dy2, g2, u2, approximate)
 
@@ -305,7 +305,7 @@ geglu_packed.register_autograd(_backward_packed, setup_context=_setup_packed)
 # --- eager autograd -----------------------------------------------------------------------------------------------
 # The same forward and backward as the ops' registered autograd, as plain autograd.Functions calling the
 # implementations directly. Eager calls that record a gradient use these (functional.py): the custom op's Python
-# autograd layer costs ~100 µs of host time per forward+backward, more than the kernels at decode and small-batch
+# autograd layer costs the host far more per forward+backward than the kernels take at decode and small-batch
 # sizes. torch.compile, tracing and functorch transforms keep the ops.
 
 
@@ -324,7 +324,7 @@ class EagerGeGLU(torch.autograd.Function):
     def backward(ctx, grad):
         gate, up = ctx.saved_tensors
         if _DIRECT:
-            grads = _direct.lean_bwd(grad, gate, up, ctx.approximate == "tanh", ctx.inplace_backward)
+            grads = _direct.lean_bwd(grad, gate, up, is_tanh(ctx.approximate), ctx.inplace_backward)
             if grads is not None:
                 return grads[0], grads[1], None, None
         grad = _contiguous_last_dim(grad)
@@ -359,7 +359,7 @@ class EagerGeGLUPacked(torch.autograd.Function):
         return packed_backward_new(grad, x, ctx.approximate, ctx.act_first), None, None, None
 
 
-# autograd.Function.apply's Python wrapper (default-argument binding, functorch checks: ~8 µs a call measured on
-# a CPU host) is skipped: callers use these only outside functorch transforms, with positional arguments.
+# autograd.Function.apply's Python wrapper (default-argument binding, functorch checks: several µs a call) is
+# skipped: callers use these only outside functorch transforms, with positional arguments.
 eager_geglu = super(torch.autograd.Function, EagerGeGLU).apply
 eager_geglu_packed = super(torch.autograd.Function, EagerGeGLUPacked).apply

@@ -1,11 +1,11 @@
 """Eager fast path into the compiled CUDA library: its plain C entry points (``geglu_c_fwd`` / ``geglu_c_bwd`` in
 geglu/geglu_kernels.cu) called through ctypes.
 
-At decode sizes a GeGLU call is host-bound: the kernel takes ~2 µs of GPU time, while a boxed call through the
-dispatcher to the stable-ABI op measured 6.9 µs on the H200's host (benchmarks/results/h200/launch-overhead.txt).
-This path launches the same kernels with the same arguments, skipping the dispatcher. Callers validate the tensors
-first, exactly as for the ops (``_checks``); the op stays the path under torch.compile, for tensor subclasses and
-wherever this module is unavailable (no compiled library in this variant, or a library without the entry points).
+At decode sizes a GeGLU call is host-bound: the kernel takes a few µs of GPU time, about what a boxed call through
+the dispatcher to the stable-ABI op costs the host. This path launches the same kernels with the same arguments,
+skipping the dispatcher. Callers validate the tensors first, exactly as for the ops (``_checks``); the op stays the
+path under torch.compile, for tensor subclasses and wherever this module is unavailable (no compiled library in this
+variant, or a library without the entry points).
 """
 
 import ctypes
@@ -15,7 +15,7 @@ import os
 import torch
 from torch import Tensor
 
-from . import _backend
+from . import _backend, _config
 from ._ops import HAS_CUDA_LIB
 
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -118,7 +118,7 @@ def bwd(dg2: torch.Tensor, du2: torch.Tensor, dy2: torch.Tensor, g2: torch.Tenso
 
 
 # --- the lean eager path --------------------------------------------------------------------------------------------
-# A decode-sized call is all host time (on the H200's host one aten op is ~7 µs, most of it the launch), so the
+# A decode-sized call is all host time (one aten op costs the host several µs, most of it the launch), so the
 # common case gets the fewest Python steps that still check everything the ops check: plain contiguous CUDA tensors
 # of one supported dtype, shape and device, nothing to differentiate, no compile/trace/functorch, the compiled
 # library chosen for this size. Anything else returns None and takes the general path.
@@ -142,7 +142,7 @@ def lean_fwd(gate, up, approximate):
     if dt is None or tanh is None or up.dtype != gate.dtype or up.shape != gate.shape:
         return None
     n = gate.numel()
-    if n == 0 or n >= _backend.CUDA_LIB_BELOW or _backend._backend == "triton":
+    if n == 0 or n >= _backend.CUDA_LIB_BELOW or _config.current.backend == "triton":
         return None
     if not (gate.is_contiguous() and up.is_contiguous()) or _is_tracing() or _functorch_active():
         return None
@@ -161,7 +161,7 @@ def lean_bwd(grad, gate, up, tanh, inplace):
     and up; autograd gives grad the output's shape and dtype), or None for the general path. ``inplace``: written
     over gate and up (the kernel reads each element before it writes it)."""
     n = gate.numel()
-    if (n == 0 or n >= _backend.CUDA_LIB_BELOW or _backend._backend == "triton" or not gate.is_cuda
+    if (n == 0 or n >= _backend.CUDA_LIB_BELOW or _config.current.backend == "triton" or not gate.is_cuda
             or type(grad) is not Tensor or grad.dtype != gate.dtype or grad.shape != gate.shape
             or not (grad.is_contiguous() and gate.is_contiguous() and up.is_contiguous())):
         return None

@@ -7,7 +7,8 @@ The epilogue is our pointwise forward (`_triton._gelu`, `_triton._round`, eager'
 launched without FMA contraction), applied to the accumulators rounded to the storage dtype as eager's GEMMs store
 them: the result equals "cuBLAS-like GEMMs, then our pointwise kernel" up to the GEMMs' accumulation order. With
 ``save=True`` (training) it also writes those rounded pre-activations, packed as ``gu[M, 2H] = [g | u]``, which is
-what the backward needs (the dGeGLU then writes [d_g | d_u] over it, and dX / dW become single GEMMs).
+what the backward needs; with ``deriv`` (the ``fused_training`` setting) the backward's two factors gelu(g) and
+u * gelu'(g) instead.
 
 Weights are read in place in nn.Linear's layout (Wg, Wu: [H, D], unit stride on D): no packed copy, no extra
 memory. A program computes a BLOCK_M x BLOCK_N tile of h: per K step it loads one x tile [BLOCK_M, BLOCK_K] and
@@ -272,134 +273,6 @@ def _paired_gate_up_geglu_kernel(x_ptr, w_ptr, out_ptr, g_ptr, u_ptr, M, N, K,
                      BLOCK_M, BLOCK_N, BLOCK_K, FAST_EPI, K_BETA_TANH, K_KAPPA, K_ALPHA)
 
 
-# --- backward: dGeGLU in the epilogue of dY @ Wd ------------------------------------------------------------------
-
-
-@triton.jit
-def _dgeglu_part(dh_acc, off_m, off_n, g_ptr, u_ptr, h_ptr, M, N, stride_g, stride_u, stride_h,
-                 T: tl.constexpr, TANH: tl.constexpr, WRITE_H: tl.constexpr, TMA: tl.constexpr,
-                 BLOCK_M: tl.constexpr, PART_N: tl.constexpr,
-                 K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr,
-                 K_BETA_ERF: tl.constexpr, K_3KAPPA: tl.constexpr):
-    """Epilogue on a [BLOCK_M, PART_N] column slice of the d_h accumulator: d_h as eager's GEMM stores it, then our
-    pointwise backward (eager's mul/gelu_backward rounding), written over [g | u] in place (this program is the
-    only reader and writer of these positions), and h = geglu(g, u) recomputed for dW_down."""
-    dh = _round(dh_acc, T).to(tl.float32)
-    rows = off_m + tl.arange(0, BLOCK_M)
-    cols = off_n + tl.arange(0, PART_N)
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
-    r64 = rows.to(tl.int64)[:, None]
-    if TMA:
-        g = g_ptr.load([off_m, off_n])
-        u = u_ptr.load([off_m, off_n])
-    else:
-        g = tl.load(g_ptr + r64 * stride_g + cols[None, :], mask=mask, other=0.0)
-        u = tl.load(u_ptr + r64 * stride_u + cols[None, :], mask=mask, other=0.0)
-    x = g.to(tl.float32)
-    uf = u.to(tl.float32)
-    h = _round(_gelu(x, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA), T).to(tl.float32)
-    d_up = _round(dh * h, T)
-    d_hg = _round(dh * uf, T).to(tl.float32)
-    d_gate = _round(d_hg * _gelu_grad(x, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA), T)
-    if TMA:
-        g_ptr.store([off_m, off_n], d_gate)
-        u_ptr.store([off_m, off_n], d_up)
-        if WRITE_H:
-            h_ptr.store([off_m, off_n], _round(h * uf, T))
-    else:
-        tl.store(g_ptr + r64 * stride_g + cols[None, :], d_gate, mask=mask)
-        tl.store(u_ptr + r64 * stride_u + cols[None, :], d_up, mask=mask)
-        if WRITE_H:
-            tl.store(h_ptr + r64 * stride_h + cols[None, :], _round(h * uf, T), mask=mask)
-
-
-@triton.jit
-def _down_dgeglu_tile(dy_ptr, wd_ptr, g_ptr, u_ptr, h_ptr, M, N, K,
-                      stride_dy, stride_wd, stride_g, stride_u, stride_h, pid_m, pid_n,
-                      TANH: tl.constexpr, WRITE_H: tl.constexpr, TMA: tl.constexpr, DOT_F32: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EPI_SPLIT: tl.constexpr,
-                      K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr,
-                      K_BETA_ERF: tl.constexpr, K_3KAPPA: tl.constexpr):
-    off_m = pid_m * BLOCK_M
-    off_n = pid_n * BLOCK_N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if TMA:
-        T = dy_ptr.dtype
-    else:
-        T = dy_ptr.dtype.element_ty
-        rows = off_m + tl.arange(0, BLOCK_M)
-        cols = off_n + tl.arange(0, BLOCK_N)
-        ks = tl.arange(0, BLOCK_K)
-        a_ptrs = dy_ptr + rows.to(tl.int64)[:, None] * stride_dy + ks[None, :]
-        b_ptrs = wd_ptr + ks.to(tl.int64)[:, None] * stride_wd + cols[None, :]
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        if TMA:
-            a = dy_ptr.load([off_m, k * BLOCK_K])
-            b = wd_ptr.load([k * BLOCK_K, off_n])
-        else:
-            k_ok = (k * BLOCK_K + ks) < K
-            a = tl.load(a_ptrs, mask=(rows < M)[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & (cols < N)[None, :], other=0.0)
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K * stride_wd
-        if DOT_F32:
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
-    # The epilogue in EPI_SPLIT column slices: fewer live registers (the dGeGLU needs ~8 temporaries an element).
-    if EPI_SPLIT == 1:
-        _dgeglu_part(acc, off_m, off_n, g_ptr, u_ptr, h_ptr, M, N, stride_g, stride_u, stride_h, T, TANH,
-                     WRITE_H, TMA, BLOCK_M, BLOCK_N, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA)
-    elif EPI_SPLIT == 2:
-        a0, a1 = _halves(acc, BLOCK_M, BLOCK_N)
-        _dgeglu_part(a0, off_m, off_n, g_ptr, u_ptr, h_ptr, M, N, stride_g, stride_u, stride_h, T, TANH,
-                     WRITE_H, TMA, BLOCK_M, BLOCK_N // 2, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA)
-        _dgeglu_part(a1, off_m, off_n + BLOCK_N // 2, g_ptr, u_ptr, h_ptr, M, N, stride_g, stride_u, stride_h, T,
-                     TANH, WRITE_H, TMA, BLOCK_M, BLOCK_N // 2, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF,
-                     K_3KAPPA)
-    else:
-        tl.static_assert(EPI_SPLIT == 4, "EPI_SPLIT must be 1, 2 or 4")
-        a0, a1 = _halves(acc, BLOCK_M, BLOCK_N)
-        a00, a01 = _halves(a0, BLOCK_M, BLOCK_N // 2)
-        a10, a11 = _halves(a1, BLOCK_M, BLOCK_N // 2)
-        Q: tl.constexpr = BLOCK_N // 4
-        _dgeglu_part(a00, off_m, off_n, g_ptr, u_ptr, h_ptr, M, N, stride_g, stride_u, stride_h, T, TANH,
-                     WRITE_H, TMA, BLOCK_M, Q, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA)
-        _dgeglu_part(a01, off_m, off_n + Q, g_ptr, u_ptr, h_ptr, M, N, stride_g, stride_u, stride_h, T, TANH,
-                     WRITE_H, TMA, BLOCK_M, Q, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA)
-        _dgeglu_part(a10, off_m, off_n + 2 * Q, g_ptr, u_ptr, h_ptr, M, N, stride_g, stride_u, stride_h, T, TANH,
-                     WRITE_H, TMA, BLOCK_M, Q, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA)
-        _dgeglu_part(a11, off_m, off_n + 3 * Q, g_ptr, u_ptr, h_ptr, M, N, stride_g, stride_u, stride_h, T, TANH,
-                     WRITE_H, TMA, BLOCK_M, Q, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA)
-
-
-@triton.jit
-def _down_dgeglu_kernel(dy_ptr, wd_ptr, g_ptr, u_ptr, h_ptr, M, N, K,
-                        stride_dy, stride_wd, stride_g, stride_u, stride_h,
-                        TANH: tl.constexpr, WRITE_H: tl.constexpr, TMA: tl.constexpr, DOT_F32: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
-                        WARP_SPECIALIZE: tl.constexpr, EPI_SPLIT: tl.constexpr,
-                        K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr,
-                        K_BETA_ERF: tl.constexpr, K_3KAPPA: tl.constexpr):
-    """[d_g | d_u] over [g | u] (and h = geglu(g, u) when WRITE_H) from d_h = dY @ Wd: dY [M, K=D], Wd [D, N=H]."""
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    if PERSISTENT:
-        for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=FLATTEN,
-                                warp_specialize=WARP_SPECIALIZE):
-            pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-            _down_dgeglu_tile(dy_ptr, wd_ptr, g_ptr, u_ptr, h_ptr, M, N, K, stride_dy, stride_wd, stride_g,
-                              stride_u, stride_h, pid_m, pid_n, TANH, WRITE_H, TMA, DOT_F32, BLOCK_M, BLOCK_N,
-                              BLOCK_K, EPI_SPLIT, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA)
-    else:
-        pid_m, pid_n = _tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
-        _down_dgeglu_tile(dy_ptr, wd_ptr, g_ptr, u_ptr, h_ptr, M, N, K, stride_dy, stride_wd, stride_g,
-                          stride_u, stride_h, pid_m, pid_n, TANH, WRITE_H, TMA, DOT_F32, BLOCK_M, BLOCK_N,
-                          BLOCK_K, EPI_SPLIT, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA)
-
-
-
 # --- configs ------------------------------------------------------------------------------------------------------
 
 
@@ -416,7 +289,6 @@ class Config(NamedTuple):
     #                                on the K loop (a TMA producer warp and wgmma consumer warpgroups)
     tma: bool = True  # use TMA descriptors where the hardware and the strides allow it
     programs_per_sm: int = 1  # persistent grid size = programs_per_sm * SMs (2 for tiles that fit twice on an SM)
-    epi_split: int = 1  # backward kernel: epilogue in 1, 2 or 4 column slices (register pressure)
     maxnreg: Optional[int] = None  # register cap (e.g. 128 at 8 warps: two programs per SM)
     fast_epi: bool = False  # GeGLU of the fp32 accumulators with hardware approximations, rounded once
     pair: bool = False  # forward: one [2 * BLOCK_N, BLOCK_K] weight operand holding both weights' tiles, one dot
@@ -429,8 +301,6 @@ class Config(NamedTuple):
                 " flat" if self.flatten else "")
         if self.warp_specialize:
             s += " ws"
-        if self.epi_split > 1:
-            s += f" epi/{self.epi_split}"
         if self.maxnreg:
             s += f" r{self.maxnreg}"
         if not self.tma:
@@ -443,71 +313,23 @@ class Config(NamedTuple):
 
 
 # Shared memory per stage is (BLOCK_M + 2 * BLOCK_N) * BLOCK_K * 2 bytes: 48 KiB at 128x128x64. Registers: two
-# 128x128 fp32 accumulators over 8 warps are 128 a thread. Checked offline for sm_90a with Triton 3.6's compiler and
-# ptxas (benchmarks/aot_fused_mlp.py, no GPU needed): the persistent 128x128x64 w8 s3 kernel issues its 8 wgmma of a
-# K step back to back (one wait per step, 2 groups in flight), 172 registers (181 with save), 176 KiB of shared
-# memory, no spills. The same tile without the persistent loop compiles to a *serialized* wgmma pipeline (ptxas
-# C7515: every wgmma waits for the previous one), so it is not the default.
-LARGE = Config(128, 128, 64, 16, 8, 3, persistent=True, pair=True)  # paired where the weights allow (bit-equal to
-# the two-accumulator kernel; with save: 93.8 % of cuBLAS's two GEMMs against 88.7 %, H200, packed_probe.py)
-# The best tile of the H200 sweeps (commit e22196c: 97.0 % of cuBLAS's two GEMMs; 100.6 % with the fast epilogue).
-FAST_LARGE = Config(128, 128, 64, 16, 8, 3, persistent=True)
-MEDIUM = Config(64, 128, 64, 8, 4, 4)  # 65 <= M <= 256: one warpgroup, m64 wgmma (not serialized; 173 registers)
+# 128x128 fp32 accumulators over 8 warps are 128 a thread. The persistent loop matters on sm_90: without it ptxas
+# serialises the tile's wgmma pipeline (warning C7515), with it a K step's wgmma issue back to back.
+LARGE = Config(128, 128, 64, 16, 8, 3, persistent=True, pair=True)  # paired where the weights allow
+MEDIUM = Config(64, 128, 64, 8, 4, 4)  # 65 <= M <= 256: one warpgroup, m64 wgmma
 INTERPRETER = Config(16, 16, 16, 2, 1, 1)  # tiny tiles: several tiles and K steps at test sizes
-INTERPRETER_BWD = Config(16, 32, 16, 2, 1, 1, epi_split=2)  # exercises the epilogue split
+# Paired-kernel tiles: BLOCK_N counts h columns, so the dot is BLOCK_M x (2 * BLOCK_N).
+PAIRED_LARGE = Config(128, 128, 64, 16, 8, 3, persistent=True, fast_epi=True, pair=True)
 
-# Measured choices, (M bucket, D, H, dtype, save) -> Config; filled from benchmarks/bench_fused_mlp.py runs.
+# Choices per (M bucket, D, H, dtype, save) -> Config; `gate_up_geglu` fills it when a config runs out of shared
+# memory on a device (one stage fewer), and the inference path with its configs.
 TUNED: dict = {}
 
-# The tile configs the benchmark sweeps (inference mode); the best per shape goes into TUNED. Arithmetic intensity
-# (outputs per loaded row per K step): 128x128 and 256x64 tiles (both gate and up) match cuBLAS's 128x256 tile.
-SWEEP = [
-    LARGE,
-    Config(128, 128, 64, 16, 8, 3, persistent=True),
-    Config(128, 128, 64, 8, 8, 3, persistent=True, warp_specialize=True),
-    Config(256, 64, 64, 8, 8, 3),
-    Config(256, 64, 64, 8, 8, 4),
-    Config(256, 64, 64, 8, 8, 3, persistent=True),
-    Config(128, 64, 64, 8, 4, 3),  # 96 KiB, ~173 registers x 128 threads: two programs per SM
-    Config(128, 64, 64, 8, 4, 3, persistent=True, programs_per_sm=2),
-    Config(128, 64, 64, 8, 4, 4),
-    MEDIUM,
-    Config(128, 128, 64, 8, 8, 3),  # reference: the serialized non-persistent compile (see above)
-    Config(128, 128, 64, 8, 8, 3, tma=False),  # pointer loads instead of TMA
-]
 
-
-# The epilogue-cost sweep (benchmarks/bench_fused_mlp.py --sweep epilogue): the best tiles so far, with the fast
-# epilogue, Triton's loop flattening (the next tile's loads issue during this tile's epilogue) and 4 stages.
-EPILOGUE_SWEEP = [
-    Config(128, 128, 64, 16, 8, 3, persistent=True),
-    Config(128, 128, 64, 16, 8, 3, persistent=True, fast_epi=True),
-    Config(128, 128, 64, 8, 8, 3, persistent=True, fast_epi=True),
-    Config(128, 128, 64, 16, 8, 3, persistent=True, flatten=True, fast_epi=True),
-    Config(128, 128, 64, 16, 8, 4, persistent=True, fast_epi=True),
-    Config(128, 128, 32, 16, 8, 6, persistent=True, fast_epi=True),
-    Config(128, 64, 64, 8, 4, 3, persistent=True, programs_per_sm=2, fast_epi=True),
-    Config(128, 128, 64, 16, 8, 3, persistent=True, warp_specialize=True, fast_epi=True),
-]
-
-
-# Backward (dGeGLU in the epilogue of dY @ Wd): one accumulator, so the tile can be wider.
-BWD_LARGE = Config(128, 128, 64, 8, 4, 3, epi_split=4)  # one warpgroup, two programs an SM (see BWD_SWEEP)
-BWD_MEDIUM = Config(64, 128, 64, 8, 4, 4, epi_split=4)
-BWD_TUNED: dict = {}  # (M bucket, D, H, dtype, write_h) -> Config
-# Measured on the H200 (benchmarks/bwd_probe.py, benchmarks/results/h200/bwd-probe.txt, four runs, write_h=False;
-# % of cuBLAS's dY @ Wd alone, at 8192x2304x9216 / 8192x4096x14336): the single-program persistent tile made
-# 51-54 / 60-64 %; two programs an SM, so that one program's epilogue runs under the other's main loop, 69-75 /
-# 77-82 % (BWD_LARGE: 69.7-71.9 / 77.0-81.5 %). cuBLAS dY @ Wd + our pointwise dGeGLU is 71.5-79.5 / 82.0-88.6 %, so
-# the fused backward stays opt-in. Loading the epilogue's g, u before the main loop (pointer loads held in registers)
-# measured worse, 55-64 %, and was removed.
-BWD_SWEEP = [
-    Config(128, 128, 64, 8, 8, 3, persistent=True, epi_split=4),  # the default until this session
-    BWD_LARGE,
-    Config(128, 256, 64, 8, 8, 3, persistent=True, epi_split=4),
-    Config(128, 128, 64, 8, 8, 3, epi_split=4, maxnreg=128),  # 138 registers uncapped: capped, two per SM
-    Config(128, 128, 64, 8, 8, 3, persistent=True, programs_per_sm=2, epi_split=4, maxnreg=128),
-]
+def inference_config(M: int) -> Config:
+    """The tile of the fused inference path: the fast epilogue, paired weights above 256 rows."""
+    base = INTERPRETER if INTERPRET else (MEDIUM if M <= 256 else PAIRED_LARGE)
+    return base._replace(fast_epi=True)
 
 
 def m_bucket(M: int) -> int:
@@ -516,27 +338,17 @@ def m_bucket(M: int) -> int:
 
 
 def choose_config(M: int, D: int, H: int, dtype: torch.dtype, save: bool) -> Config:
-    if INTERPRET:
-        return INTERPRETER
     cfg = TUNED.get((m_bucket(M), D, H, dtype, save))
     if cfg is not None:
         return cfg
-    return MEDIUM if M <= 256 else LARGE
-
-
-def choose_bwd_config(M: int, D: int, H: int, dtype: torch.dtype, write_h: bool) -> Config:
     if INTERPRET:
-        return INTERPRETER_BWD
-    cfg = BWD_TUNED.get((m_bucket(M), D, H, dtype, write_h))
-    if cfg is not None:
-        return cfg
-    return BWD_MEDIUM if M <= 256 else BWD_LARGE
+        return INTERPRETER
+    return MEDIUM if M <= 256 else LARGE
 
 
 # --- launcher -----------------------------------------------------------------------------------------------------
 
 _SM_COUNT = {}
-last_compiled = None  # the last launch's compiled kernel (registers, spills, shared memory: for benchmarks)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -609,11 +421,10 @@ def gate_up_geglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, tan
 
 
 def _launch(args, M, N, K, x, w_gate, w_up, out, g_view, u_view, tanh, save, use_tma, cfg):
-    global last_compiled
     num_tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     grid = (min(num_tiles, cfg.programs_per_sm * _sm_count(x.device)) if cfg.persistent else num_tiles,)
     with torch.cuda.device(x.device) if x.device.type == "cuda" else _nullcontext():
-        last_compiled = _gate_up_geglu_kernel[grid](
+        _gate_up_geglu_kernel[grid](
             *args, M, N, K,
             x.stride(0), w_gate.stride(0), w_up.stride(0), out.stride(0), g_view.stride(0), u_view.stride(0),
             TANH=tanh, SAVE=save, TMA=use_tma, DOT_F32=INTERPRET,
@@ -624,23 +435,6 @@ def _launch(args, M, N, K, x, w_gate, w_up, out, g_view, u_view, tanh, save, use
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
             **_maxnreg(cfg),
         )
-
-
-# Paired-kernel tiles: BLOCK_N counts h columns, so the dot is BLOCK_M x (2 * BLOCK_N). PAIRED_LARGE is what the
-# fused inference path runs above 256 rows (benchmarks/packed_probe.py, H200, three runs: 100.0-101.5 % of cuBLAS's
-# two GEMMs at 8192x4096x14336 and 101.9-103.2 % at 8192x2304x9216, where the two-accumulator kernel made
-# 98.3-101.5 % and 97.6-100.1 %; docs/fused-mlp.md). The other entries are the probe's sweep.
-PAIRED_LARGE = Config(128, 128, 64, 16, 8, 3, persistent=True, fast_epi=True, pair=True)
-PAIRED_SWEEP = [
-    PAIRED_LARGE,
-    Config(128, 128, 64, 8, 8, 3, persistent=True, fast_epi=True, pair=True),
-    Config(128, 128, 64, 16, 8, 4, persistent=True, fast_epi=True, pair=True),
-    Config(128, 128, 64, 16, 8, 3, persistent=True, warp_specialize=True, fast_epi=True, pair=True),
-    Config(128, 128, 64, 16, 8, 3, persistent=True, flatten=True, fast_epi=True, pair=True),
-    Config(128, 128, 64, 32, 8, 3, persistent=True, fast_epi=True, pair=True),
-    Config(128, 128, 128, 16, 8, 2, persistent=True, fast_epi=True, pair=True),  # 192 KiB of operands
-    Config(128, 128, 64, 16, 8, 3, persistent=True, pair=True),  # eager's epilogue (training's bits)
-]
 
 
 _TMA_MAX_STRIDE = 1 << 40  # bytes: cuTensorMapEncodeTiled's limit on a global stride
@@ -701,7 +495,6 @@ def paired_gate_up_geglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tens
 
 
 def _launch_paired(x, layout: PairLayout, w_gate, out, g_view, u_view, tanh, save, cfg):
-    global last_compiled
     M, K = x.shape
     N = w_gate.shape[0]
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
@@ -712,57 +505,13 @@ def _launch_paired(x, layout: PairLayout, w_gate, out, g_view, u_view, tanh, sav
     num_tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     grid = (min(num_tiles, cfg.programs_per_sm * _sm_count(x.device)) if cfg.persistent else num_tiles,)
     with torch.cuda.device(x.device) if x.device.type == "cuda" else _nullcontext():
-        last_compiled = _paired_gate_up_geglu_kernel[grid](
+        _paired_gate_up_geglu_kernel[grid](
             *args, M, N, K, TANH=tanh, SAVE=save, DOT_F32=INTERPRET, GATE_FIRST=layout.gate_first,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
             PERSISTENT=cfg.persistent, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
             FAST_EPI=cfg.fast_epi, K_BETA_TANH=K_BETA_TANH, K_KAPPA=K_KAPPA, K_ALPHA=K_ALPHA,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, **_maxnreg(cfg),
         )
-
-
-def down_dgeglu(dy: torch.Tensor, w_down: torch.Tensor, gu: torch.Tensor, tanh: bool, write_h: bool,
-                config: Optional[Config] = None) -> Optional[torch.Tensor]:
-    """In place: gu = [g | u] [M, 2H] becomes [d_g | d_u] for d_h = dy @ w_down (dy [M, D], w_down [D, H]); with
-    ``write_h`` also returns h = geglu(g, u) [M, H] (for dW_down), recomputed from g, u."""
-    N = w_down.shape[1]
-    return down_dgeglu_into(dy, w_down, gu[:, :N], gu[:, N:], tanh, write_h, config)
-
-
-def down_dgeglu_into(dy: torch.Tensor, w_down: torch.Tensor, g_view: torch.Tensor, u_view: torch.Tensor, tanh: bool,
-                     write_h: bool, config: Optional[Config] = None) -> Optional[torch.Tensor]:
-    """`down_dgeglu` with g and u as two [M, H] tensors (unit last-dim stride, e.g. two separate GEMM outputs):
-    d_g is written over g and d_u over u."""
-    M, K = dy.shape
-    N = w_down.shape[1]
-    h = torch.empty((M, N), dtype=dy.dtype, device=dy.device) if write_h else None
-    if M == 0 or N == 0:
-        return h
-    cfg = config or choose_bwd_config(M, K, N, dy.dtype, write_h)
-    h_arg = h if write_h else g_view
-    tensors = (dy, w_down, g_view, u_view, h_arg)
-    use_tma = cfg.tma and tma_supported(dy.device) and all(_aligned(t) for t in tensors)
-    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-    pn = bn // cfg.epi_split  # the epilogue's column slice
-    if use_tma:
-        args = [TensorDescriptor(t, list(t.shape), list(t.stride()), blk) for t, blk in
-                ((dy, [bm, bk]), (w_down, [bk, bn]), (g_view, [bm, pn]), (u_view, [bm, pn]), (h_arg, [bm, pn]))]
-    else:
-        args = list(tensors)
-    global last_compiled
-    num_tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-    grid = (min(num_tiles, cfg.programs_per_sm * _sm_count(dy.device)) if cfg.persistent else num_tiles,)
-    with torch.cuda.device(dy.device) if dy.device.type == "cuda" else _nullcontext():
-        last_compiled = _down_dgeglu_kernel[grid](
-            *args, M, N, K, dy.stride(0), w_down.stride(0), g_view.stride(0), u_view.stride(0), h_arg.stride(0),
-            TANH=tanh, WRITE_H=write_h, TMA=use_tma, DOT_F32=INTERPRET, EPI_SPLIT=cfg.epi_split,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
-            PERSISTENT=cfg.persistent, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
-            K_BETA_TANH=K_BETA_TANH, K_KAPPA=K_KAPPA, K_ALPHA=K_ALPHA, K_BETA_ERF=K_BETA_ERF, K_3KAPPA=K_3KAPPA,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
-            **_maxnreg(cfg),
-        )
-    return h
 
 
 def _maxnreg(cfg: Config) -> dict:

@@ -1,21 +1,16 @@
-"""Experimental (issue 7): the fused backward step d_h = dY @ Wd with the dGeGLU in its epilogue, as a Gluon kernel
-with warp specialisation for Hopper, so that the epilogue is not serialised with the GEMM.
+"""The training backward step of the ``fused_training`` setting: d_h = dY @ Wd with the dGeGLU (or, with ``deriv``,
+its two products) in the epilogue, as a warp-specialised Gluon kernel for Hopper, so that the epilogue overlaps the
+next tile's main loop instead of idling the tensor cores.
 
-The Triton kernel (`_fused_mlp_triton._down_dgeglu_kernel`) runs its epilogue between two tiles' main loops: the
-tensor cores idle while it loads g, u, computes the dGeGLU and stores d_g, d_u; at 8192x2304x9216 that costs it a
-quarter of its time (70-80 % of cuBLAS's dY @ Wd). Here one producer warp issues every TMA load of the program's
-tiles into a ring of shared-memory stages, and two consumer warpgroups take alternate tiles ("ping-pong"): while one
-runs its tile's epilogue, the other's wgmma main loop keeps the tensor cores busy. The epilogue stages d_h (rounded to
-the storage dtype, as eager's GEMM stores it) in shared memory and walks it in row chunks with coalesced loads and
-stores, so the accumulator's registers are free for it.
+One producer warp issues every TMA load of the program's tiles into a ring of shared-memory stages, and two consumer
+warpgroups take alternate tiles ("ping-pong"): while one runs its tile's epilogue, the other's wgmma main loop keeps
+the tensor cores busy. The epilogue stages d_h (rounded to the storage dtype, as eager's GEMM stores it) in shared
+memory and walks it in row chunks with coalesced loads and stores, so the accumulator's registers are free for it.
+Without ``deriv`` the epilogue is our pointwise backward (eager's rounding; the tests check it bit for bit against
+the pointwise kernel); with it, g and u hold the forward's gelu(g) and u * gelu'(g) and the epilogue is
+d_gate = d_h * (u * gelu'(g)), d_up = d_h * gelu(g), each rounded once.
 
-Measured on the H200 (benchmarks/ws_diag.py): the pipeline alone runs at cuBLAS's rate, but the other consumer's
-epilogue slows the main loop down; with the epilogue in a runtime loop the kernel is at 78-81 % of cuBLAS's dY @ Wd at
-8192x2304x9216 (cuBLAS + our pointwise dGeGLU: ~74 %) and 84-86 % at 8192x4096x14336 (~84 %).
-
-Not used by default: GeGLUMLP's training node takes it with `_mlp.FUSED_BACKWARD = "gluon"` (same bits as the Triton
-kernel there); `benchmarks/bwd_probe.py` and `ws_diag.py` time it. Needs Triton's Gluon (triton >= 3.5) and sm_90;
-imported lazily.
+Needs Triton's Gluon (triton >= 3.5) and sm_90; imported lazily (``_mlp._gluon_backward``).
 """
 
 from typing import Optional
@@ -30,9 +25,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ._fused_mlp_triton import _fast_exp2, _fast_rcp, _tile_coords
 from ._triton import K_3KAPPA, K_ALPHA, K_BETA_ERF, K_BETA_TANH, K_KAPPA, _gelu, _gelu_grad, _round
 
-# Ring stages when the caller does not say: the deriv epilogue (two products, ~half the registers of the dGeGLU)
-# gained with a fifth stage on the H200 (ws-diag.txt run 17: 92.9-93.2 % of cuBLAS's dY @ Wd against 91.1-91.3 %);
-# 5 stages of 32 KiB and the 64 KiB staging buffer fill 224 of the 227 KiB of shared memory.
+# Ring stages when the caller does not say: the deriv epilogue (two products, about half the registers of the
+# dGeGLU) has room for a fifth: 5 stages of 32 KiB and the 64 KiB staging buffer fill 224 of the 227 KiB of shared
+# memory.
 DEFAULT_STAGES = 4
 DERIV_STAGES = 5
 
@@ -95,8 +90,7 @@ def _consumer(a_bufs, b_bufs, ready, empty, order, dh_bufs, g_ptr, u_ptr, M, N, 
             mbarrier.wait(ready.index(s), (c // STAGES) & 1)
             acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, use_acc=kk > 0, is_async=True)
             acc = warpgroup_mma_wait(1, deps=(acc, ))
-            # the wgmma of the previous stage has finished: give that stage back to the producer (two groups in
-            # flight measured slower: ws-diag.txt run 15)
+            # the wgmma of the previous stage has finished: give that stage back to the producer
             mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), pred=kk > 0)
             c += 1
         mbarrier.arrive(order.index(WG))  # every stage of this tile taken: the other warpgroup's tile may start
@@ -250,21 +244,17 @@ def down_dgeglu_ws(dy: torch.Tensor, w_down: torch.Tensor, g: torch.Tensor, u: t
                    epi_mode: int = 1, loop_chunks: bool = True, consumer_warps: int = 4, fast: bool = False,
                    deriv: bool = False):
     """In place: g, u [M, H] become d_g, d_u for d_h = dy @ w_down (dy [M, D], w_down [D, H]; fp16/bf16, unit
-    last-dim strides, 16-byte aligned rows). Returns the compiled kernel. ``epi_mode`` other than 1 is for
-    diagnostics (wrong results): 0 stops after staging d_h in shared memory (the GEMM and its pipeline alone), 2 keeps
-    the epilogue's loads and stores with one product for the math, 3 keeps the math without the g, u loads.
-    ``loop_chunks`` (the default) walks the epilogue's row chunks in a runtime loop, one copy of their code instead of
-    BLOCK_M / CHUNK (the H200 profile of the unrolled epilogue has instruction fetch as its main stall; the loop took
-    the kernel from 58 % to 80 % of cuBLAS's dY @ Wd at 8192x2304x9216), through an XOR-swizzled staging buffer;
-    ``consumer_warps=8`` gives each consumer two warpgroups (64 rows of the tile each, half the epilogue's work a
-    thread; pass ``consumer_regs`` <= 120 so that 2 x 256 + 128 threads fit the register file; slower, 68-79 %).
-    ``fast`` (tanh GELU): the dGeGLU in fp32 with hardware approximations and one rounding per output (about half
-    the epilogue's instructions; not the Triton kernel's bits, no less accurate against fp32 than eager).
+    last-dim strides, 16-byte aligned rows). Returns the compiled kernel.
+
     ``deriv``: g, u hold the forward's [gelu(g) | u * gelu'(g)] (`gate_up_geglu(..., deriv=True)`), and the epilogue
-    is two products, d_gate = d_h * (u * gelu'(g)) and d_up = d_h * gelu(g), each rounded once (the same code as
-    ``epi_mode=2``): the epilogue's math is what slows the other warpgroup's main loop (ws-diag.txt run 16).
-    ``stages`` (the TMA ring's depth) defaults to `DERIV_STAGES` with ``deriv`` and to `DEFAULT_STAGES` otherwise.
-    docs/fused-mlp.md has the measurements."""
+    is two products, d_gate = d_h * (u * gelu'(g)) and d_up = d_h * gelu(g), each rounded once. ``stages`` (the TMA
+    ring's depth) defaults to `DERIV_STAGES` with ``deriv`` and to `DEFAULT_STAGES` otherwise. ``loop_chunks`` (the
+    default) walks the epilogue's row chunks in a runtime loop (one copy of their code) through an XOR-swizzled
+    staging buffer; ``consumer_warps=8`` gives each consumer two warpgroups (pass ``consumer_regs`` <= 120 so that
+    2 x 256 + 128 threads fit the register file). ``fast`` (tanh GELU): the dGeGLU in fp32 with hardware
+    approximations and one rounding per output. ``epi_mode`` other than 1 is for diagnostics and gives wrong
+    results: 0 stops after staging d_h, 2 keeps the epilogue's loads and stores with one product for the math, 3 keeps
+    the math without the g, u loads."""
     M, K = dy.shape
     N = w_down.shape[1]
     if stages is None:

@@ -1,148 +1,69 @@
-"""``GeGLUMLP``'s training step as one autograd node: ``y = down(gelu(x @ Wg^T) * (x @ Wu^T))`` with eager's own
-GEMM calls and our bit-exact pointwise kernels, and a backward that reuses the activations' memory.
+"""``GeGLUMLP``'s computation, ``y = down(gelu(x @ Wg^T, approximate) * (x @ Wu^T))``, in every mode.
 
-Why one node (docs/fused-mlp.md, "Training"):
+:func:`geglu_mlp` is the one entry point (the layer calls it for plain bias-free projections):
+
+* **Eager inference** (no gradient): ``F.linear`` for the projections and our pointwise kernel, eager's bits; with
+  the ``fused_mlp`` setting (default), fp16/bf16 CUDA inputs of more than ``DECODE_MAX_M`` rows take the fused gate/up
+  GEMM (the GeGLU in its epilogue, ``_fused_mlp_triton``) where a one-time timing per shape bucket on the device says
+  it is at least 1 % faster.
+* **Eager training**: one autograd node, :class:`GeGLUMLPFunction` (below). Small CUDA steps (under
+  ``_backend.AUTOGRAD_EAGER_BELOW`` [M, H] elements) are host-bound and run PyTorch's own ops with the host's
+  activation instead: a Python node costs the host more than eager's C++ nodes.
+* **torch.compile, tracing, tensor subclasses**: the custom ops ``geglu_mlp`` (inference) and ``geglu_mlp_train`` /
+  ``geglu_mlp_train_backward`` (training), with fake implementations. Every shape-dependent choice above (decode
+  size, fused or not) is made inside the ops when they run, so the traced graph has no shape guards of its own.
+
+The training node:
 
 * **Same bits as eager.** The forward calls ``torch.mm`` exactly as ``F.linear`` does (2-D rows, ``W.t()``), the
-  GeGLU kernel equals ``F.gelu(g) * u`` bit for bit, and the backward makes the GEMM calls autograd's
-  ``MmBackward`` makes (``dy @ W`` for the input, ``dy^T @ input`` for the weight) and sums x's two gradients with
-  one add, as autograd does; our dGeGLU kernel has eager's rounding. So output and every gradient equal eager's
-  (unless the opt-in fused kernels, FUSED_FORWARD / FUSED_BACKWARD below, are switched on).
-* **Less memory.** Eager holds g, gelu(g), u and h until the backward, and its down projection's backward
-  allocates d_h while g, u and h are alive (4 [M, H] buffers; Liger's GEGLU MLP too). Here the forward holds g, u and
-  h; the backward computes dW_down first, then writes d_h over h (which nothing needs any more), then d_g, d_u over
-  g, u, and frees each buffer as soon as its last GEMM has read it: at most 3 [M, H] buffers live.
-* **Where.** Large CUDA steps and CPU. Below ``_backend.AUTOGRAD_EAGER_BELOW`` [M, H] elements under the 'auto'
-  backend, CUDA steps are host-bound and this Python node costs the host more than eager's C++ nodes (measured on
-  the H200's host at M=16: ~20 % slower although it issues fewer calls), so the caller runs eager's ops there.
+  GeGLU kernel equals ``F.gelu(g) * u`` bit for bit, and the backward makes the GEMM calls autograd's ``MmBackward``
+  makes (``dy @ W`` for the input, ``dy^T @ input`` for the weight) and sums x's two gradients with one add, as
+  autograd does; our dGeGLU kernel has eager's rounding.
+* **Less memory.** Eager holds g, gelu(g), u and h until the backward, and its down projection's backward allocates
+  d_h while they are alive (4 [M, H] buffers). Here the forward holds g, u and h; the backward computes dW_down
+  first, writes d_h over h, then d_g, d_u over g, u, and frees each buffer after its last GEMM: at most 3 live.
+* The activations are attributes of the node (so that the backward can free them one by one) unless saved-tensor
+  hooks are active (activation checkpointing, CPU offloading): then they go through ``save_for_backward`` and the
+  hooks see them. The backward overwrites what it unpacks, so it cannot run twice (``retain_graph=True`` raises).
+* With the ``fused_training`` setting, where the Gluon backward runs (sm_90, a Triton with Gluon): the forward is
+  the fused gate/up GEMM saving ``gelu(g)`` and ``u * gelu'(g)`` from its fp32 accumulators, the backward's
+  ``dY @ Wd`` is the Gluon kernel whose epilogue multiplies d_h by them, and dx is summed inside the second GEMM
+  (``addmm_``), dW_gate and dW_up as one GEMM of N = 2H. Not eager's bits; more accurate against fp32.
 
-The activations are kept as attributes of the node (so that the backward can free them one by one) unless
-saved-tensor hooks are active (activation checkpointing, CPU offloading, ...): then they go through
-``save_for_backward`` as usual, and the hooks see them. Either way the backward overwrites what it unpacks, so the
-node cannot run backward twice (``retain_graph=True``): that raises an error that says so.
-
-Used only for plain eager tensors (not under torch.compile, tracing, functorch transforms or autocast); the caller
-keeps its regular path otherwise.
+Under torch.compile the training op is the default node's computation (eager's bits; the fused training kernels are
+for eager mode).
 """
 
 import contextlib
-import os
-from typing import Optional
+import time
+from typing import Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from . import _backend
+from . import _backend, _config
 from . import _custom_ops as _pw
-from ._checks import env_switch
+from ._checks import check_approximate, is_tanh
+from ._ops import add_op_namespace_prefix
 
-# The fused kernels in the training step, opt-in. FUSED_FORWARD: the gate/up GEMM with the GeGLU in its epilogue,
-# writing g, u and h (`_fused_mlp_triton.gate_up_geglu`, TRAIN_FWD_CONFIG). FUSED_BACKWARD: dY @ Wd with the dGeGLU
-# in its epilogue, writing d_g, d_u over g, u, so d_h never reaches memory: True, the Triton kernel
-# (`down_dgeglu_into`, TRAIN_BWD_CONFIG); "gluon", the warp-specialised Gluon kernel (`_gluon_bwd.down_dgeglu_ws`, the
-# Triton kernel's bits) where it runs (sm_90, a Triton with Gluon, TMA-aligned tensors), else the Triton kernel;
-# "gluon-fast", the same with its fast tanh dGeGLU (fp32 math with hardware approximations, one rounding per output;
-# with the erf GELU as "gluon").
-# They apply only to fp16/bf16 CUDA steps the Triton kernels take (sm_90+ with TMA, more than DECODE_MAX_M rows; or
-# the Triton interpreter in tests), and none is eager's bits (error against fp32 no worse than eager's:
-# tests/kernel/test_fused_mlp.py). Off by default: on the H200 (benchmarks/results/h200/bwd-probe.txt) the Triton
-# backward is slower than cuBLAS + our dGeGLU; the Gluon one is 9-13 % faster at 8192x2304x9216 and 3-4 % at
-# 8192x4096x14336. With it, the fused forward and SAVE_DERIVATIVE or ACCUMULATE_DX below, the step is 2.6-3.7 %
-# faster than torch.compile's at 8192x2304x9216 and 1-2 % at 8192x4096x14336 (median per-round ratios; the default
-# node: level with it), gains within about one rounds' spread that cost eager's bits (docs/fused-mlp.md).
-FUSED_FORWARD = False
-FUSED_BACKWARD = False  # False, True (Triton), "gluon" or "gluon-fast"
-TRAIN_FWD_CONFIG = None  # None: the kernel module's choice for the shape
-TRAIN_BWD_CONFIG = None
-# ACCUMULATE_DX, opt-in (read when the forward runs, as the other flags): dx = d_g @ Wg, then d_u @ Wu accumulated
-# into it by the second GEMM (addmm_) instead of a second [M, D] output and a bf16 add (one kernel and one buffer
-# fewer; on the CPU also one rounding fewer, while on the H200 cuBLAS gave the same bits); and where d_g, d_u are the
-# halves of one [M, 2H] buffer (the fused forward), dW_gate and dW_up as one GEMM with N = 2H. Not guaranteed to be
-# eager's bits, no less accurate.
-ACCUMULATE_DX = False
-# SAVE_DERIVATIVE, opt-in, with FUSED_FORWARD and the Gluon backward (FUSED_BACKWARD "gluon"/"gluon-fast" where it
-# runs; otherwise ignored): the forward's epilogue saves gelu(g) and u * gelu'(g) (from its fp32 accumulators, each
-# rounded once) instead of g and u, so the backward's dGeGLU is two products, d_up = d_h * gelu(g) and
-# d_gate = d_h * (u * gelu'(g)), in the Gluon kernel's epilogue (or, for TMA-unaligned dY, after cuBLAS's d_h). The
-# math moves to the forward's epilogue, where the sigmoid is already in registers (no slower there), out of the Gluon
-# backward, where it slows the other warpgroup's main loop (93 % of cuBLAS's dY @ Wd instead of 88 %). Not eager's
-# bits; more accurate (docs/fused-mlp.md).
-SAVE_DERIVATIVE = False
-
-
-def _switch(setting: Optional[str]) -> bool:
-    """GEGLU_FUSED_TRAINING: unset or "0" off, "1" on; anything else is a mistake worth naming."""
-    return env_switch("GEGLU_FUSED_TRAINING", setting, False, "GeGLUMLP's training step with the fused kernels where "
-                      "the Gluon backward runs", "eager's bits")
-
-
-# FUSED_TRAINING (GEGLU_FUSED_TRAINING=1), opt-in: one switch for the fastest measured combination, where it runs.
-# Where the Gluon backward runs (sm_90, a Triton with Gluon) the step takes FUSED_FORWARD, FUSED_BACKWARD = "gluon",
-# SAVE_DERIVATIVE and ACCUMULATE_DX, whatever those four say; elsewhere the four flags as they are (by default the
-# node with eager's bits: there the Triton fused backward is slower than cuBLAS + our dGeGLU). On the H200 the step
-# is then 2.6-3.7 % faster than torch.compile's at 8192x2304x9216 and 1-2 % at 8192x4096x14336 (bwd-probe.txt runs
-# 10-12), with gradients more accurate than eager's against fp32 (not eager's bits).
-FUSED_TRAINING = _switch(os.environ.get("GEGLU_FUSED_TRAINING"))
-
-
-def _settings(dev: torch.device):
-    """(FUSED_FORWARD, FUSED_BACKWARD, SAVE_DERIVATIVE, ACCUMULATE_DX) for a step on ``dev``."""
-    if FUSED_TRAINING and _gluon_backward(dev) is not None:
-        return True, "gluon", True, True
-    return FUSED_FORWARD, FUSED_BACKWARD, SAVE_DERIVATIVE, ACCUMULATE_DX
-
-_PLAIN = (Tensor, torch.nn.Parameter)
+# M <= DECODE_MAX_M rows: cuBLAS + the pointwise kernel (the fused kernel's smallest tile is 64 rows, and decode is
+# bound by reading the weights, which both paths do once).
+DECODE_MAX_M = 64
+_LOW = (torch.float16, torch.bfloat16)
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-_is_compiling = torch.compiler.is_compiling
-_is_tracing = torch._C._is_tracing
-_functorch_active = torch._C._are_functorch_transforms_active
-_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+_PLAIN_TYPES = (Tensor, torch.nn.Parameter)
+_kernels_mod = None
 
 
-def _hooks_active() -> bool:
-    """Saved-tensor hooks (checkpointing, offloading) in force: they must see the activations."""
-    return _top_hooks is None or _top_hooks(False) is not None
+def _kernels():
+    """The fused gate/up GEMM's module (imports triton: only when a fused kernel may run)."""
+    global _kernels_mod
+    if _kernels_mod is None:
+        from . import _fused_mlp_triton as mod
 
-
-def host_bound(x: Tensor, w_gate: Tensor) -> bool:
-    """A small CUDA step under the 'auto' backend (fewer than ``_backend.AUTOGRAD_EAGER_BELOW`` [M, H] elements):
-    host-bound, and a Python autograd node costs the host more than eager's C++ ones (the H200's host, M=16:
-    benchmarks/results/h200/mlp-small-m-node.txt), so the caller runs eager's own ops there."""
-    return x.is_cuda and _backend.eager_autograd(x.numel() // max(x.shape[-1], 1) * w_gate.shape[0])
-
-
-def applies(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> bool:
-    """Whether the training step can run as one node here: a gradient to record, plain eager CUDA/CPU tensors of one
-    float dtype and device, nn.Linear-shaped weights ([H, D], [H, D], [D_out, H]), no autocast."""
-    if not torch.is_grad_enabled() or _is_compiling() or _is_tracing() or _functorch_active():
-        return False
-    if not (type(x) in _PLAIN and type(w_gate) in _PLAIN and type(w_up) in _PLAIN and type(w_down) in _PLAIN):
-        return False
-    if x.dim() < 2 or w_gate.dim() != 2 or host_bound(x, w_gate):
-        return False
-    if not (x.requires_grad or w_gate.requires_grad or w_up.requires_grad or w_down.requires_grad):
-        return False
-    dev = x.device
-    if dev.type not in ("cuda", "cpu") or x.dtype not in _FLOATS or torch.is_autocast_enabled(dev.type):
-        return False
-    for w in (w_gate, w_up, w_down):
-        if w.dtype != x.dtype or w.device != dev or w.dim() != 2:
-            return False
-    H, D = w_gate.shape
-    return w_up.shape == w_gate.shape and D == x.shape[-1] and w_down.shape[1] == H and H > 0 and D > 0
-
-
-def _fused_kernels(x2: Tensor):
-    """The fused-MLP kernel module if its Triton kernels take this step (fp16/bf16, enough rows, TMA), else None."""
-    from . import _fused_mlp as fm
-
-    try:
-        if not fm._fused_kernel_applies(x2):
-            return None
-        kt = fm._kernels()
-    except ImportError:  # no triton
-        return None
-    return kt if kt.tma_supported(x2.device) else None
+        _kernels_mod = mod
+    return _kernels_mod
 
 
 def _gluon_backward(dev: torch.device):
@@ -156,45 +77,238 @@ def _gluon_backward(dev: torch.device):
     return _gluon_bwd
 
 
-def _fused_backward(kt, dev: torch.device, mode, deriv: bool):
-    """The backward's `dY @ Wd` + dGeGLU kernel for FUSED_BACKWARD = ``mode`` as fn(dy, w_down, g, u, tanh) -> bool,
-    writing d_g, d_u over g, u; False where it did not run (with ``deriv``, g, u holding the forward's derivative
-    factors, only the Gluon kernel has that epilogue: elsewhere the caller takes cuBLAS and two products)."""
-    if mode not in (True, "gluon", "gluon-fast"):
-        raise ValueError(f"geglu._mlp.FUSED_BACKWARD is {mode!r}; expected False (cuBLAS + our dGeGLU), "
-                         "True (the Triton fused kernel), 'gluon' or 'gluon-fast' (the warp-specialised Gluon kernel)")
-    ws = _gluon_backward(dev) if mode in ("gluon", "gluon-fast") else None
-    fast = mode == "gluon-fast"
+def fused_kernel_applies(x2: Tensor) -> bool:
+    """Whether the fused gate/up kernel can take these 2-D rows: fp16/bf16 and more than ``DECODE_MAX_M`` rows, on a
+    CUDA device (TMA descriptors where the device and strides allow, pointer loads otherwise), or (tests) CPU
+    tensors under the Triton interpreter with the backend set to 'triton'."""
+    if x2.dtype not in _LOW or x2.shape[0] <= DECODE_MAX_M:
+        return False
+    dev = x2.device.type
+    if dev != "cuda" and (dev != "cpu" or _config.current.backend != "triton"):
+        return False
+    try:
+        kt = _kernels()
+    except ImportError:  # no triton
+        return False
+    return dev == "cuda" or kt.INTERPRET
 
-    def run(dy, w_down, g, u, tanh):
-        # the Gluon kernel reads dY and Wd through TMA descriptors (16-byte aligned base and rows); without `fast`
-        # both kernels give the same bits
-        if ws is not None and dy.shape[0] and all(kt._aligned(t) for t in (dy, w_down, g, u)):
-            with torch.cuda.device(dy.device) if dy.is_cuda else contextlib.nullcontext():  # (CPU: tests' stand-in)
-                ws.down_dgeglu_ws(dy, w_down, g, u, tanh, fast=fast, deriv=deriv)
-        elif deriv:
+
+# --- the entry point ---------------------------------------------------------------------------------------------
+
+
+def geglu_mlp(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, approximate: str, act=None) -> Tensor:
+    """``F.linear(gelu(F.linear(x, w_gate), approximate) * F.linear(x, w_up), w_down)`` (see the module docstring
+    for which path runs). x [..., D]; w_gate, w_up [H, D]; w_down [D_out, H] (nn.Linear weights, no bias); one
+    dtype and device. ``act``, the host's activation module, runs in the small eager training steps that take
+    PyTorch's own ops (None: ``F.gelu``)."""
+    mode = _backend.call_mode(x, w_gate, w_up, w_down)
+    if mode == _backend.PLAIN:
+        return inference(x, w_gate, w_up, w_down, approximate)
+    if mode == _backend.AUTOGRAD:
+        if not host_bound(x, w_gate):
+            y = training_forward(x, w_gate, w_up, w_down, approximate)
+            if y is not None:
+                return y
+        gate = F.linear(x, w_gate)
+        h = (act(gate) if act is not None else F.gelu(gate, approximate=approximate)) * F.linear(x, w_up)
+        return F.linear(h, w_down)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w_gate, w_up, w_down)):
+        return geglu_mlp_train(x, w_gate, w_up, w_down, approximate)[0]
+    return geglu_mlp_op(x, w_gate, w_up, w_down, approximate)
+
+
+# --- inference -----------------------------------------------------------------------------------------------------
+
+
+def regular(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, approximate: str) -> Tensor:
+    """The bit-exact inference path: eager's GEMMs and our pointwise kernel."""
+    g, u = F.linear(x, w_gate), F.linear(x, w_up)
+    h = torch.empty(g.shape, dtype=g.dtype, device=g.device)
+    _pw._forward_into(h, g, u, approximate, True)
+    return F.linear(h, w_down)
+
+
+def inference(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, approximate: str) -> Tensor:
+    """The MLP forward without a gradient: the fused gate/up GEMM where the ``fused_mlp`` setting allows it and it
+    was measured faster for this shape on this device, else :func:`regular`."""
+    y = _fused_inference(x, w_gate, w_up, w_down, approximate) if _config.current.fused_mlp else None
+    return y if y is not None else regular(x, w_gate, w_up, w_down, approximate)
+
+
+# (M bucket, D, H, dtype, device) -> whether the fused path was measured faster; and the two medians it compared
+_DECISIONS: dict = {}
+DECISION_TIMES: dict = {}
+_MARGIN = 0.99  # the fused path must be at least 1 % faster, else the bit-exact path runs
+
+
+def _fused_inference(x, w_gate, w_up, w_down, approximate) -> Optional[Tensor]:
+    D = x.shape[-1]
+    if x.dim() < 2 or x.numel() <= DECODE_MAX_M * D:
+        return None  # decode sizes return here, before any other check: they are host-bound
+    H = w_gate.shape[0]
+    if not (w_gate.shape == w_up.shape == (H, D) and w_down.dim() == 2 and w_down.shape[1] == H
+            and x.dtype == w_gate.dtype == w_up.dtype == w_down.dtype):
+        return None
+    x2 = x.reshape(-1, D)
+    if not fused_kernel_applies(x2):
+        return None
+    kt = _kernels()
+    key = (kt.m_bucket(x2.shape[0]), D, H, x.dtype, x.device)
+    use = _DECISIONS.get(key)
+    if use is None:
+        if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None  # nothing can be timed during graph capture: the bit-exact path
+        timing: dict = {}
+        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+            use = _DECISIONS[key] = fused_is_faster(
+                lambda: _fused_forward(x2, w_gate, w_up, w_down, approximate),
+                lambda: regular(x2, w_gate, w_up, w_down, approximate), x.device, record=timing)
+        DECISION_TIMES[key] = timing
+    if not use:
+        return None
+    return _fused_forward(x2, w_gate, w_up, w_down, approximate).view(x.shape[:-1] + (w_down.shape[0],))
+
+
+def _fused_forward(x2: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, approximate: str) -> Tensor:
+    kt = _kernels()
+    M, D = x2.shape
+    # the inference tile (fast epilogue) for this shape, unless a smaller one already replaced it on this device
+    kt.TUNED.setdefault((kt.m_bucket(M), D, w_gate.shape[0], x2.dtype, False), kt.inference_config(M))
+    h, _ = kt.gate_up_geglu(x2.contiguous(), _unit_last(w_gate), _unit_last(w_up), is_tanh(approximate), False)
+    return torch.mm(h, w_down.t())
+
+
+def _unit_last(w: Tensor) -> Tensor:
+    return w if w.stride(-1) == 1 else w.contiguous()
+
+
+class _EventClock:
+    """CUDA events around each timed call, all enqueued before one synchronisation."""
+
+    def __init__(self):
+        self.marks = []
+
+    def time(self, fn):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        self.marks.append((start, end))
+
+    def results(self):
+        self.marks[-1][1].synchronize()
+        return [s.elapsed_time(e) for s, e in self.marks]
+
+
+class _WallClock:
+    """Host wall time per call (CPU tensors: the interpreter in tests)."""
+
+    def __init__(self):
+        self.times = []
+
+    def time(self, fn):
+        t0 = time.perf_counter()
+        fn()
+        self.times.append((time.perf_counter() - t0) * 1e3)
+
+    def results(self):
+        return self.times
+
+
+def fused_is_faster(fused, regular_fn, device: torch.device, rounds: int = 11, record: Optional[dict] = None,
+                    clock=None) -> bool:
+    """Times both (after two warm-up calls each: the first compiles the Triton kernel), one call at a time, in
+    alternating rounds, with the L2 cache flushed before each call on CUDA (in a model the layers between two MLPs
+    evict its weights), all enqueued before one synchronisation (the host runs ahead of the GPU, as in a model);
+    compares the medians (GEMM timings drift with the clocks). ``record`` receives the two medians (ms); ``clock``
+    replaces the timer (tests)."""
+    for _ in range(2):
+        fused()
+        regular_fn()
+    if clock is None:
+        clock = _EventClock() if device.type == "cuda" else _WallClock()
+    scratch = None
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        scratch = torch.empty(2 * max(int(getattr(props, "L2_cache_size", 0)), 64 << 20), dtype=torch.uint8,
+                              device=device)
+    order = []
+    for _ in range(rounds):
+        for name, fn in (("fused", fused), ("regular", regular_fn)):
+            if scratch is not None:
+                scratch.zero_()
+            clock.time(fn)
+            order.append(name)
+    times = {"fused": [], "regular": []}
+    for name, t in zip(order, clock.results()):
+        times[name].append(t)
+    med = {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+    if record is not None:
+        record.update(fused_ms=med["fused"], regular_ms=med["regular"])
+    return med["fused"] < _MARGIN * med["regular"]
+
+
+# --- training: one autograd node (eager mode) ------------------------------------------------------------------
+
+
+def host_bound(x: Tensor, w_gate: Tensor) -> bool:
+    """A small CUDA step under the 'auto' backend (fewer than ``_backend.AUTOGRAD_EAGER_BELOW`` [M, H] elements):
+    host-bound, and a Python autograd node costs the host more than eager's C++ ones."""
+    return x.is_cuda and _backend.eager_autograd(x.numel() // max(x.shape[-1], 1) * w_gate.shape[0])
+
+
+def applies(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> bool:
+    """Whether the training step can run as one node here: plain eager CUDA/CPU tensors of one float dtype and
+    device, a gradient to record, nn.Linear-shaped weights ([H, D], [H, D], [D_out, H]), no autocast."""
+    if not torch.is_grad_enabled() or _backend.traced():
+        return False
+    if not (type(x) in _PLAIN_TYPES and type(w_gate) in _PLAIN_TYPES and type(w_up) in _PLAIN_TYPES
+            and type(w_down) in _PLAIN_TYPES):
+        return False
+    if x.dim() < 2 or w_gate.dim() != 2:
+        return False
+    if not (x.requires_grad or w_gate.requires_grad or w_up.requires_grad or w_down.requires_grad):
+        return False
+    dev = x.device
+    if dev.type not in ("cuda", "cpu") or x.dtype not in _FLOATS or torch.is_autocast_enabled(dev.type):
+        return False
+    for w in (w_gate, w_up, w_down):
+        if w.dtype != x.dtype or w.device != dev or w.dim() != 2:
             return False
-        else:
-            kt.down_dgeglu_into(dy, w_down, g, u, tanh, False, config=TRAIN_BWD_CONFIG)
-        return True
-    return run
+    H, D = w_gate.shape
+    return w_up.shape == w_gate.shape and D == x.shape[-1] and w_down.shape[1] == H and H > 0 and D > 0
+
+
+_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def _hooks_active() -> bool:
+    """Saved-tensor hooks (checkpointing, offloading) in force: they must see the activations."""
+    return _top_hooks is None or _top_hooks(False) is not None
+
+
+def _fused_training(x2: Tensor):
+    """(fused-MLP kernel module, Gluon backward module) where the ``fused_training`` setting applies to this step,
+    else None."""
+    if not _config.current.fused_training or not fused_kernel_applies(x2):
+        return None
+    ws = _gluon_backward(x2.device)
+    if ws is None or not _kernels().tma_supported(x2.device):
+        return None
+    return _kernels(), ws
 
 
 class GeGLUMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down, approximate):
         x2 = x.reshape(-1, x.shape[-1])  # what F.linear's matmul does with [..., D]
-        fused_forward, fused_backward, save_derivative, ctx.accumulate_dx = _settings(x.device)
-        kt = _fused_kernels(x2) if (fused_forward or fused_backward) else None
-        deriv = False  # whether g, u hold gelu(g) and u * gelu'(g) (SAVE_DERIVATIVE)
-        if kt is not None and fused_forward:
+        fused = _fused_training(x2)
+        if fused is not None:
+            kt, ws = fused
             H = w_gate.shape[0]
-            # only where the Gluon backward will take it: elsewhere two strided in-place products after cuBLAS cost
-            # more than our dGeGLU kernel (measured on the H200: bwd-probe.txt run 10)
-            deriv = bool(save_derivative) and fused_backward in ("gluon", "gluon-fast") and (
-                _gluon_backward(x.device) is not None)
-            h, gu = kt.gate_up_geglu(x2.contiguous(), w_gate.contiguous(), w_up.contiguous(), approximate == "tanh",
-                                     True, config=TRAIN_FWD_CONFIG, deriv=deriv)
+            # g, u hold gelu(g) and u * gelu'(g): the backward's dGeGLU is two products
+            h, gu = kt.gate_up_geglu(x2.contiguous(), w_gate.contiguous(), w_up.contiguous(), is_tanh(approximate),
+                                     True, deriv=True)
             g, u = gu[:, :H], gu[:, H:]
         else:
             g = torch.mm(x2, w_gate.t())
@@ -202,9 +316,7 @@ class GeGLUMLPFunction(torch.autograd.Function):
             h = torch.empty_like(g)
             _pw._forward_into(h, g, u, approximate, True)
         y = torch.mm(h, w_down.t())
-        ctx.fused_backward = (_fused_backward(kt, x.device, fused_backward, deriv) if fused_backward and kt is not None
-                              else None)
-        ctx.deriv = deriv
+        ctx.fused = fused
         ctx.approximate = approximate
         ctx.ran = False
         if _hooks_active():
@@ -233,25 +345,18 @@ class GeGLUMLPFunction(torch.autograd.Function):
         need_x, need_wg, need_wu, need_wd = ctx.needs_input_grad[:4]
         dy2 = dy.reshape(-1, dy.shape[-1])
         dwd = torch.mm(dy2.t(), h) if need_wd else None  # h's last reader
-        # d_h = dy @ Wd in a GEMM whose epilogue writes [d_g, d_u] over g and u: no d_h in memory
-        if ctx.fused_backward is not None and ctx.fused_backward(dy2.contiguous(), w_down.contiguous(), g, u,
-                                                                 ctx.approximate == "tanh"):
-            del h
-        else:
-            d_h = torch.mm(dy2, w_down, out=h)  # written over h
-            del h
-            if ctx.deriv:  # g, u hold gelu(g), u * gelu'(g): d_gate = d_h * the second, d_up = d_h * the first
-                u.mul_(d_h)
-                g.mul_(d_h)
-                g, u = u, g  # d_g is in u's buffer and d_u in g's (then no packed weight-gradient GEMM)
-            else:
-                _pw._backward_into(g, u, d_h, g, u, ctx.approximate)  # [d_g, d_u] written over g and u
-            del d_h
         x2 = x.reshape(-1, x.shape[-1])
-        if ctx.accumulate_dx:
-            held = [g, u]  # the helper's list is then the only reference: it frees d_g after its last GEMM
+        if ctx.fused is not None:
+            del h
+            d_g, d_u = _fused_backward_dgeglu(ctx.fused[0], ctx.fused[1], dy2, w_down, g, u, ctx.approximate)
             del g, u
+            held = [d_g, d_u]  # the helper's list is then the only reference: it frees d_g after its last GEMM
+            del d_g, d_u
             return _grads_accumulated(held, x, x2, w_gate, w_up, need_x, need_wg, need_wu) + (dwd, None)
+        d_h = torch.mm(dy2, w_down, out=h)  # written over h
+        del h
+        _pw._backward_into(g, u, d_h, g, u, ctx.approximate)  # [d_g, d_u] written over g and u
+        del d_h
         d_g, d_u = g, u
         del g, u
         dx = dwg = dwu = None
@@ -261,10 +366,26 @@ class GeGLUMLPFunction(torch.autograd.Function):
             dwg = torch.mm(d_g.t(), x2)
         del d_g
         if need_x:
-            dx = dx.add_(torch.mm(d_u, w_up)).view(x.shape)  # one bf16 add, as autograd sums the two branches
+            dx = dx.add_(torch.mm(d_u, w_up)).view(x.shape)  # one add in the storage dtype, as autograd sums
         if need_wu:
             dwu = torch.mm(d_u.t(), x2)
         return dx, dwg, dwu, dwd, None
+
+
+def _fused_backward_dgeglu(kt, ws, dy2: Tensor, w_down: Tensor, g: Tensor, u: Tensor, approximate: str):
+    """(d_g, d_u) from g, u holding gelu(g) and u * gelu'(g): the Gluon kernel's ``dY @ Wd`` with the two products
+    in its epilogue, written over them (d_g over g, d_u over u); where TMA cannot read dY (unaligned), cuBLAS's d_h
+    and two in-place products (d_g then lives in u's buffer and d_u in g's)."""
+    dy2 = dy2.contiguous()
+    w_down = w_down.contiguous()
+    if dy2.shape[0] and all(kt._aligned(t) for t in (dy2, w_down, g, u)):
+        with torch.cuda.device(dy2.device):
+            ws.down_dgeglu_ws(dy2, w_down, g, u, is_tanh(approximate), deriv=True)
+        return g, u
+    d_h = torch.mm(dy2, w_down)
+    u.mul_(d_h)  # d_gate = d_h * (u * gelu'(g))
+    g.mul_(d_h)  # d_up = d_h * gelu(g)
+    return u, g
 
 
 def _packed(d_g: Tensor, d_u: Tensor) -> Optional[Tensor]:
@@ -277,9 +398,9 @@ def _packed(d_g: Tensor, d_u: Tensor) -> Optional[Tensor]:
 
 
 def _grads_accumulated(held, x, x2, w_gate, w_up, need_x, need_wg, need_wu):
-    """(dx, dW_gate, dW_up) from held = [d_g, d_u] with ACCUMULATE_DX: x's two gradient terms summed in the second
-    GEMM's fp32 accumulator (addmm_), and the weight gradients as one GEMM with N = 2H where d_g, d_u are the halves of
-    one buffer. Frees d_g after its last GEMM (as the default path does)."""
+    """(dx, dW_gate, dW_up) from held = [d_g, d_u]: x's two gradient terms summed in the second GEMM's fp32
+    accumulator (addmm_), and the weight gradients as one GEMM with N = 2H where d_g, d_u are the halves of one
+    buffer. Frees d_g after its last GEMM."""
     d_g, d_u = held
     held.clear()
     gu = _packed(d_g, d_u) if need_wg and need_wu else None
@@ -293,7 +414,7 @@ def _grads_accumulated(held, x, x2, w_gate, w_up, need_x, need_wg, need_wu):
     if dx is not None:
         dx = dx.addmm_(d_u, w_up).view(x.shape)
     if gu is not None:
-        dw = torch.mm(gu.t(), x2)  # [2H, D]: rows [0, H) are dW_gate, [H, 2H) dW_up (contiguous halves)
+        dw = torch.mm(gu.t(), x2)  # [2H, D]: rows [0, H) are dW_gate, [H, 2H) dW_up
         return dx, dw[:H], dw[H:]
     if need_wu:
         dwu = torch.mm(d_u.t(), x2)
@@ -306,12 +427,126 @@ _apply = super(torch.autograd.Function, GeGLUMLPFunction).apply
 
 
 def training_forward(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, approximate: str) -> Optional[Tensor]:
-    """The MLP's training step as one node (see the module's docstring), or None where it does not apply (the caller
-    runs its regular path)."""
+    """The MLP's training step as one node, or None where it does not apply (the caller runs its regular path)."""
     if not applies(x, w_gate, w_up, w_down):
         return None
     return _apply(x, w_gate, w_up, w_down, approximate)
 
 
-__all__ = ["GeGLUMLPFunction", "applies", "host_bound", "training_forward", "FUSED_TRAINING", "FUSED_FORWARD",
-           "FUSED_BACKWARD", "ACCUMULATE_DX", "SAVE_DERIVATIVE"]
+# --- custom ops: the same computations for torch.compile, tracing and tensor subclasses ---------------------------
+
+
+def _check(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, approximate: str) -> None:
+    check_approximate(approximate)
+    for name, t in (("x", x), ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        if t.dtype not in _FLOATS:
+            raise TypeError(f"geglu_mlp: {name} has dtype {t.dtype}; expected float32, float16 or bfloat16.")
+        if t.dtype != x.dtype or t.device != x.device:
+            raise ValueError(f"geglu_mlp: {name} is {t.dtype} on {t.device} but x is {x.dtype} on {x.device}; "
+                             "expected one dtype and device.")
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise ValueError(f"geglu_mlp: x has shape {tuple(x.shape)}; expected [..., D] with D >= 1.")
+    if w_gate.dim() != 2 or w_gate.shape != w_up.shape or w_gate.shape[1] != x.shape[-1]:
+        raise ValueError(f"geglu_mlp: w_gate {tuple(w_gate.shape)} and w_up {tuple(w_up.shape)} must both be [H, D] "
+                         f"(nn.Linear(D, H).weight) with D = {x.shape[-1]}, x's last dim.")
+    if w_down.dim() != 2 or w_down.shape[1] != w_gate.shape[0]:
+        raise ValueError(f"geglu_mlp: w_down {tuple(w_down.shape)} must be [D_out, H] with H = {w_gate.shape[0]} "
+                         "(nn.Linear(H, D_out).weight).")
+
+
+@torch.library.custom_op(add_op_namespace_prefix("geglu_mlp"), mutates_args=())
+def geglu_mlp_op(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, approximate: str) -> Tensor:
+    """The MLP forward without a gradient (:func:`inference`: the fused path's choice is made here, at run time)."""
+    _check(x, w_gate, w_up, w_down, approximate)
+    return inference(x, w_gate, w_up, w_down, approximate)
+
+
+@geglu_mlp_op.register_fake
+def _(x, w_gate, w_up, w_down, approximate):
+    _check(x, w_gate, w_up, w_down, approximate)
+    return x.new_empty(x.shape[:-1] + (w_down.shape[0],))
+
+
+def _rows(x: Tensor) -> int:
+    n = 1
+    for s in x.shape[:-1]:
+        n = n * s
+    return n
+
+
+@torch.library.custom_op(add_op_namespace_prefix("geglu_mlp_train"), mutates_args=())
+def geglu_mlp_train(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
+                    approximate: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The training forward: (y, g, u, h), with g, u, h [M, H] the activations the backward needs (the default
+    node's computation: eager's bits)."""
+    _check(x, w_gate, w_up, w_down, approximate)
+    x2 = x.reshape(-1, x.shape[-1])
+    g = torch.mm(x2, w_gate.t())
+    u = torch.mm(x2, w_up.t())
+    h = torch.empty_like(g)
+    _pw._forward_into(h, g, u, approximate, True)
+    y = torch.mm(h, w_down.t())
+    return y.view(x.shape[:-1] + (w_down.shape[0],)), g, u, h
+
+
+@geglu_mlp_train.register_fake
+def _(x, w_gate, w_up, w_down, approximate):
+    _check(x, w_gate, w_up, w_down, approximate)
+    M, H = _rows(x), w_gate.shape[0]
+    return (x.new_empty(x.shape[:-1] + (w_down.shape[0],)), x.new_empty((M, H)), x.new_empty((M, H)),
+            x.new_empty((M, H)))
+
+
+_EMPTY = (0,)
+
+
+@torch.library.custom_op(add_op_namespace_prefix("geglu_mlp_train_backward"), mutates_args=())
+def geglu_mlp_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, g: Tensor,
+                             u: Tensor, h: Tensor, approximate: str, need_x: bool, need_wg: bool, need_wu: bool,
+                             need_wd: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dx, dW_gate, dW_up, dW_down) of the training forward, with eager's GEMM calls and rounding (a 0-element
+    tensor for each gradient not needed). d_g is written over the d_h buffer it is computed from."""
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    x2 = x.reshape(-1, x.shape[-1])
+    dwd = torch.mm(dy2.t(), h) if need_wd else x.new_empty(_EMPTY)
+    d_h = torch.mm(dy2, w_down)
+    d_u = torch.empty_like(d_h)
+    _pw._backward_into(d_h, d_u, d_h, g, u, approximate)  # d_g over d_h: each element read before it is written
+    d_g = d_h
+    dx = torch.mm(d_g, w_gate).add_(torch.mm(d_u, w_up)).view(x.shape) if need_x else x.new_empty(_EMPTY)
+    dwg = torch.mm(d_g.t(), x2) if need_wg else x.new_empty(_EMPTY)
+    dwu = torch.mm(d_u.t(), x2) if need_wu else x.new_empty(_EMPTY)
+    return dx, dwg, dwu, dwd
+
+
+@geglu_mlp_train_backward.register_fake
+def _(dy, x, w_gate, w_up, w_down, g, u, h, approximate, need_x, need_wg, need_wu, need_wd):
+    def grad(t, need):
+        return t.new_empty(t.shape) if need else t.new_empty(_EMPTY)
+
+    return grad(x, need_x), grad(w_gate, need_wg), grad(w_up, need_wu), grad(w_down, need_wd)
+
+
+def _train_setup(ctx, inputs, output):
+    x, w_gate, w_up, w_down, approximate = inputs
+    _, g, u, h = output
+    ctx.mark_non_differentiable(g, u, h)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(x, w_gate, w_up, w_down, g, u, h)
+    ctx.approximate = approximate
+
+
+def _train_backward(ctx, dy, _dg, _du, _dh):
+    if dy is None:
+        return None, None, None, None, None
+    x, w_gate, w_up, w_down, g, u, h = ctx.saved_tensors
+    need = ctx.needs_input_grad[:4]
+    grads = geglu_mlp_train_backward(dy.contiguous(), x, w_gate, w_up, w_down, g, u, h, ctx.approximate, *need)
+    return tuple(gr if n else None for gr, n in zip(grads, need)) + (None,)
+
+
+geglu_mlp_train.register_autograd(_train_backward, setup_context=_train_setup)
+
+
+__all__ = ["geglu_mlp", "inference", "regular", "training_forward", "applies", "host_bound", "GeGLUMLPFunction",
+           "geglu_mlp_op", "geglu_mlp_train", "geglu_mlp_train_backward", "DECODE_MAX_M"]

@@ -311,10 +311,9 @@ def _next_pow2(n: int) -> int:
 
 
 def _tiles(M: int, N: int, element_size: int, device: torch.device, tensors: int):
-    """Tile shape and warps. Measured on an H200 (benchmarks/tune_triton.py, bf16): 2 x 1024 tiles at 4 warps
-    (16 elements a thread: two 16-byte vectors per tensor) were within 1-2% of the best of 11 shapes for forward
-    and backward, erf and tanh, from 4096x9216 to 16384x24576; larger tiles lost up to 30% in the erf backward.
-    fp32 keeps the bytes per program. Narrower column tiles when the grid would not cover the SMs twice."""
+    """Tile shape and warps: 2 x 1024 tiles at 4 warps (16 elements a thread: two 16-byte vectors per tensor) for
+    2-byte dtypes; fp32 keeps the bytes per program. Narrower column tiles when the grid would not cover the SMs
+    twice."""
     per_program = 2048 if element_size <= 2 else 1024
     block_n = min(_next_pow2(N), 1024)
     block_m = max(1, min(_next_pow2(M), per_program // block_n))
@@ -337,8 +336,7 @@ def _plan(M: int, N: int, t: torch.Tensor, tensors: int):
     return plan
 
 
-# Flat kernels: (elements per program, warps) for 2-byte and 4-byte dtypes. FLAT_TILES is set from
-# benchmarks/tune_triton.py on an H200 (benchmarks/results/h200/tune-triton.txt).
+# Flat kernels: (elements per program, warps) for 2-byte and 4-byte dtypes.
 FLAT_TILES = {2: (2048, 4), 4: (1024, 4)}
 
 
@@ -368,8 +366,8 @@ def _flat(M: int, N: int, *tensors: torch.Tensor) -> bool:
 
 
 # --- launching -----------------------------------------------------------------------------------------------------
-# JITFunction's launch path binds and specialises every argument in Python on every call (~15 µs of host time on the
-# H200's host, more than the kernel at small sizes). The first launch for a specialisation goes through Triton (which
+# JITFunction's launch path binds and specialises every argument in Python on every call (tens of µs of host time,
+# more than the kernel at small sizes). The first launch for a specialisation goes through Triton (which
 # compiles and caches the kernel); later ones call that compiled kernel's launcher directly. The key is at least as
 # fine as Triton's specialisation (pointer dtype and 16-byte alignment; integer divisibility by 16, == 1 and width),
 # plus the constexprs, warps and device. Any surprise from a Triton version (a missing attribute, another launcher

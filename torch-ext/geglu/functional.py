@@ -2,8 +2,9 @@
 torch.compile(fullgraph=True), in eager mode and with autograd, on CUDA (compiled library or Triton) and CPU.
 
 Plain eager calls take a fast path straight to the implementation (the same code the ops run), skipping the
-dispatcher's Python round trips; with a gradient to record, through an autograd.Function with the ops' backward.
-It matters at decode and small-batch sizes, where a call is a few µs of GPU time."""
+dispatcher's Python round trips; with a gradient to record, through an autograd.Function with the ops' backward
+(``_backend.call_mode`` decides). It matters at decode and small-batch sizes, where a call is a few µs of GPU
+time."""
 
 from typing import Optional
 
@@ -17,31 +18,12 @@ from . import _direct
 from ._checks import check_packed, check_split
 from ._ops import ops
 
-_is_compiling = torch.compiler.is_compiling
-_is_tracing = torch._C._is_tracing
-_functorch_active = torch._C._are_functorch_transforms_active
 _grad_enabled = torch.is_grad_enabled
 _empty_like = torch.empty_like
 _contiguous = torch.contiguous_format
-
-# How a call runs: through the torch.library op, or eagerly straight to the implementation (with or without a
-# gradient to record).
-_OP, _PLAIN, _AUTOGRAD = 0, 1, 2
+_mode = _backend.call_mode
+_OP, _PLAIN, _AUTOGRAD = _backend.OP, _backend.PLAIN, _backend.AUTOGRAD
 _lean_fwd = _direct.lean_fwd if _direct.AVAILABLE else None
-
-
-def _mode(*tensors: Tensor) -> int:
-    """_PLAIN / _AUTOGRAD for a plain eager call (no graph capture or tracing, no tensor subclass such as fake or
-    functional tensors, no functorch transform), _OP otherwise. The eager paths run the same implementations as
-    the ops, without the dispatcher's Python round trips (a few µs at decode sizes, ~100 µs with autograd)."""
-    if _is_compiling() or _is_tracing() or _functorch_active():
-        return _OP
-    needs_grad = False
-    for t in tensors:
-        if type(t) is not Tensor:
-            return _OP
-        needs_grad = needs_grad or t.requires_grad
-    return _AUTOGRAD if needs_grad and _grad_enabled() else _PLAIN
 
 
 def _no_autograd_with_out(*tensors: Tensor) -> None:

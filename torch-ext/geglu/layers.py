@@ -5,35 +5,14 @@ They follow the kernels layer rules: no ``__init__``, no members besides ``forwa
 ``forward`` has the host's signature.
 """
 
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from . import _backend, _fused_mlp, _mlp
+from . import _mlp
+from ._activations import gelu_approximation
 from .functional import geglu, geglu_packed
-
-# transformers' activation classes by the GELU they compute. Exact matches of F.gelu first; the tanh-formula
-# variants (gelu_new, gelu_fast, gelu_accurate) compute the same function in the input dtype, so our fp32 result
-# differs from theirs by their rounding (closer to the true value).
-_TANH_CLASSES = {"GELUTanh", "PytorchGELUTanh", "GELUPytorchTanh", "NewGELUActivation", "FastGELUActivation",
-                 "AccurateGELUActivation"}
-_ERF_CLASSES = {"GELUActivation"}
-
-
-def gelu_approximation(act) -> Optional[str]:
-    """'none' or 'tanh' when ``act`` is a GELU our kernel computes, else None (the host's own code runs)."""
-    if isinstance(act, nn.GELU):
-        return act.approximate
-    if act is torch.nn.functional.gelu:
-        return "none"
-    name = type(act).__name__
-    if name in _TANH_CLASSES:
-        return "tanh"
-    if name in _ERF_CLASSES:
-        return "none"
-    return None
 
 
 def gated(act, gate: torch.Tensor, up: torch.Tensor, inplace_backward: bool = True) -> torch.Tensor:
@@ -75,41 +54,29 @@ class GeluTanhAndMul(nn.Module):
         return geglu_packed(x, "tanh")
 
 
+_PLAIN = (torch.Tensor, nn.Parameter)
+
+
 def _plain_linear(m) -> bool:
-    """An nn.Linear without bias or hooks (not a quantized or adapter subclass): its weight is the whole story."""
-    return (type(m) is nn.Linear and m.bias is None and not m._forward_hooks and not m._forward_pre_hooks)
-
-
-def _fused_inference(mlp, x: torch.Tensor, w_gate, w_up, w_down) -> Optional[torch.Tensor]:
-    """The fused gate/up GEMM path for inference with plain projections (docs/fused-mlp.md; off with
-    GEGLU_FUSED_MLP=0), or None."""
-    if not _fused_mlp.ENABLED or x.dim() < 2 or x.numel() <= _fused_mlp.DECODE_MAX_M * x.shape[-1]:
-        return None  # decode sizes return here, before any other check: they are host-bound
-    approximate = gelu_approximation(mlp.act_fn)
-    if approximate is None:
-        return None
-    return _fused_mlp.inference_forward(x, w_gate, w_up, w_down, approximate)
-
-
-def _through_modules(mlp, x: torch.Tensor) -> torch.Tensor:
-    """Projections that are not plain nn.Linear (quantized, adapted, with hooks or a bias): the modules themselves."""
-    gate = mlp.gate_proj(x)
-    if gate.requires_grad and gate.is_cuda and _backend.eager_autograd(gate.numel()):
-        return mlp.down_proj(mlp.act_fn(gate) * mlp.up_proj(x))  # as in GeGLUMLP.forward
-    return mlp.down_proj(gated(mlp.act_fn, gate, mlp.up_proj(x)))
+    """An nn.Linear without bias or hooks, with a plain tensor for weight (not a quantized or adapter subclass, not a
+    DTensor): its weight is the whole story."""
+    return (type(m) is nn.Linear and m.bias is None and not m._forward_hooks and not m._forward_pre_hooks
+            and type(m.weight) in _PLAIN)
 
 
 class GeGLUMLP(nn.Module):
-    """Replaces a transformers gated MLP (``down_proj(act_fn(gate_proj(x)) * up_proj(x))``: Gemma, Gemma 2/3, …).
+    """Replaces a transformers gated MLP: ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (Gemma, Gemma 2/3/4, ...).
+
+    Shapes: x ``[..., D]`` -> ``[..., D_out]``; gate_proj, up_proj ``D -> H``, down_proj ``H -> D_out``.
 
     The GELU flavour (erf or tanh) comes from the host's ``act_fn``; an activation that is not a GELU runs the
-    host's own computation. A training step with plain bias-free ``nn.Linear`` projections runs as one autograd
-    node (``_mlp``, at CPU and large CUDA sizes): eager's output and gradients bit for bit, with at most three
-    [M, H] activation buffers live in the backward (eager and Liger: four). Inference at prefill sizes
-    takes the fused gate/up GEMM (the GeGLU in its epilogue: not bit-identical to eager, more accurate) where it
-    measures faster on the device; ``GEGLU_FUSED_MLP=0`` turns that off. ``GEGLU_FUSED_TRAINING=1`` (opt-in) gives
-    the training step the fused kernels where the Gluon backward runs (sm_90): faster than eager's bits, more
-    accurate, not bit-identical (``_mlp.FUSED_TRAINING``).
+    host's own computation. With plain bias-free ``nn.Linear`` projections the MLP runs as one computation
+    (``_mlp.geglu_mlp``): a training step is one autograd node with eager's output and gradients bit for bit and at
+    most three [M, H] activation buffers in its backward (eager: four); inference at prefill sizes takes the fused
+    gate/up GEMM (the GeGLU in its epilogue: more accurate than eager, not its bits) where it measures faster on the
+    device (setting ``fused_mlp``, ``GEGLU_FUSED_MLP=0`` turns it off); under torch.compile both are custom ops, with
+    every shape-dependent choice made when they run. ``GEGLU_FUSED_TRAINING=1`` (setting ``fused_training``) gives
+    the training step the fused kernels where the Gluon backward runs (sm_90): not eager's bits, more accurate.
     """
 
     can_torch_compile = True
@@ -121,28 +88,14 @@ class GeGLUMLP(nn.Module):
     act_fn: nn.Module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_proj, up_proj, down_proj = self.gate_proj, self.up_proj, self.down_proj
-        if not (_plain_linear(gate_proj) and _plain_linear(up_proj) and _plain_linear(down_proj)):
-            return _through_modules(self, x)
-        # Plain nn.Linear projections: F.linear on their weights is what their forward runs; skipping the module
-        # calls saves host time, which at decode sizes is the whole cost.
-        w_gate, w_up, w_down = gate_proj.weight, up_proj.weight, down_proj.weight
-        if not torch.is_grad_enabled():
-            y = _fused_inference(self, x, w_gate, w_up, w_down)
-            if y is not None:
-                return y
-        elif not _mlp.host_bound(x, w_gate):
-            approximate = gelu_approximation(self.act_fn)
-            if approximate is not None:  # the training step as one node (_mlp), where it applies
-                y = _mlp.training_forward(x, w_gate, w_up, w_down, approximate)
-                if y is not None:
-                    return y
-        gate = F.linear(x, w_gate)
-        if gate.requires_grad and gate.is_cuda and _backend.eager_autograd(gate.numel()):
-            # Small CUDA training steps run PyTorch's own GeGLU ops (host-bound; see _backend) in the host's exact
-            # order with the host's activation, so that the step is eager's, op for op.
-            return F.linear(self.act_fn(gate) * F.linear(x, w_up), w_down)
-        return F.linear(gated(self.act_fn, gate, F.linear(x, w_up)), w_down)
+        gate_proj, up_proj, down_proj, act = self.gate_proj, self.up_proj, self.down_proj, self.act_fn
+        approximate = gelu_approximation(act)
+        if approximate is not None and _plain_linear(gate_proj) and _plain_linear(up_proj) and _plain_linear(down_proj):
+            # plain projections: F.linear on their weights is what their forward runs; the MLP as one computation
+            return _mlp.geglu_mlp(x, gate_proj.weight, up_proj.weight, down_proj.weight, approximate, act)
+        # projections that are modules of their own (quantized, adapted, with hooks or a bias, sharded): their
+        # forward, then our GeGLU (or the host's activation when it is not a GELU the kernel computes)
+        return down_proj(gated(act, gate_proj(x), up_proj(x)))
 
 
 class GeGLUMLPWithDropout(nn.Module):

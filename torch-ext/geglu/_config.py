@@ -1,0 +1,117 @@
+"""The package's settings, in one object read once from the environment at import.
+
+=================  ==========================  ============================================================
+setting            environment variable        meaning
+=================  ==========================  ============================================================
+``backend``        ``GEGLU_BACKEND``           ``"auto"`` (default), ``"cuda"`` (the compiled library at every
+                                               size) or ``"triton"`` (the Triton kernels, CPU tensors too under
+                                               ``TRITON_INTERPRET=1``)
+``fused_mlp``      ``GEGLU_FUSED_MLP``         ``GeGLUMLP`` in inference takes the fused gate/up GEMM (the GeGLU
+                                               in its epilogue: more accurate than eager, not its bits) where a
+                                               one-time timing per shape on the device says it is faster
+                                               (default on; ``0``: eager's bits everywhere)
+``fused_training`` ``GEGLU_FUSED_TRAINING``    ``GeGLUMLP``'s training step takes the fused kernels where the
+                                               Gluon backward runs (sm_90): the gate/up GEMM saving gelu(g) and
+                                               u·gelu'(g), ``dY @ Wd`` with the dGeGLU's products in its
+                                               epilogue, dx summed in one GEMM (default off: eager's bits)
+=================  ==========================  ============================================================
+
+Change them for a process with :func:`configure` (also a context manager)::
+
+    geglu.configure(fused_mlp=False)            # from here on
+    with geglu.configure(backend="triton"):     # for a block
+        ...
+
+The kernels read the settings when they run (inside the ops), never in code that ``torch.compile`` traces, so a
+change needs no recompilation.
+"""
+
+import dataclasses
+import os
+from typing import Optional
+
+BACKENDS = ("auto", "cuda", "triton")
+
+
+def _switch(name: str, setting: Optional[str], default: bool, on: str, off: str) -> bool:
+    """An on/off environment variable: unset or empty is ``default``; 1/on/true/yes and 0/off/false/no (any case,
+    surrounding spaces ignored); anything else raises, naming the variable and what each value does."""
+    value = (setting or ("1" if default else "0")).strip().lower()
+    if value in ("1", "on", "true", "yes"):
+        return True
+    if value in ("0", "off", "false", "no"):
+        return False
+    raise ValueError(f"{name}={setting!r}: expected 1 ({on}{', the default' if default else ''}) or 0 "
+                     f"({off}{'' if default else ', the default'}).")
+
+
+def _backend(name: str, what: str) -> str:
+    value = (name or "auto").strip().lower()
+    if value not in BACKENDS:
+        raise ValueError(f"{what}={name!r} is not a backend; expected one of {', '.join(BACKENDS)}.")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    backend: str = "auto"
+    fused_mlp: bool = True
+    fused_training: bool = False
+
+    @classmethod
+    def from_env(cls, env=os.environ) -> "Config":
+        return cls(
+            backend=_backend(env.get("GEGLU_BACKEND", ""), "GEGLU_BACKEND"),
+            fused_mlp=_switch("GEGLU_FUSED_MLP", env.get("GEGLU_FUSED_MLP"), True,
+                              "use the fused MLP forward where it is faster", "never"),
+            fused_training=_switch("GEGLU_FUSED_TRAINING", env.get("GEGLU_FUSED_TRAINING"), False,
+                                   "GeGLUMLP's training step with the fused kernels where the Gluon backward runs",
+                                   "eager's bits"))
+
+
+current = Config.from_env()
+
+
+class _Restore:
+    """What :func:`configure` returns: the change is already made; as a context manager it is undone on exit."""
+
+    def __init__(self, previous: Config):
+        self._previous = previous
+
+    def __enter__(self) -> Config:
+        return current
+
+    def __exit__(self, *exc) -> bool:
+        global current
+        current = self._previous
+        return False
+
+
+def configure(**changes) -> _Restore:
+    """Change settings (``backend``, ``fused_mlp``, ``fused_training``); returns a context manager that restores the
+    previous ones."""
+    global current
+    unknown = set(changes) - {f.name for f in dataclasses.fields(Config)}
+    if unknown:
+        raise TypeError(f"geglu.configure: unknown setting(s) {', '.join(sorted(unknown))}; expected backend, "
+                        "fused_mlp or fused_training.")
+    if "backend" in changes:
+        changes["backend"] = _backend(changes["backend"], "geglu.configure(backend)")
+        if changes["backend"] == "cuda":
+            from ._ops import HAS_CUDA_LIB
+
+            if not HAS_CUDA_LIB:
+                raise RuntimeError(
+                    "geglu.configure(backend='cuda'): this build variant has no compiled CUDA library (it is a "
+                    "Triton/CPU variant). Load the torch-stable-abi* variant, or use 'triton' / 'auto'.")
+    for name in ("fused_mlp", "fused_training"):
+        if name in changes and not isinstance(changes[name], bool):
+            raise TypeError(f"geglu.configure({name}={changes[name]!r}): expected True or False.")
+    previous = current
+    current = dataclasses.replace(current, **changes)
+    return _Restore(previous)
+
+
+def get_config() -> Config:
+    """The settings in force (a frozen :class:`Config`)."""
+    return current
