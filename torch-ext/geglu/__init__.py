@@ -8,6 +8,7 @@ from . import layers
 from ._backend import get_backend, set_backend
 from ._ops import HAS_CUDA_LIB, ops
 from .functional import geglu, geglu_backward, geglu_packed, gelu_and_mul, gelu_tanh_and_mul
+from . import _sharding  # noqa: F401,E402  (DTensor sharding rules for the ops, where torch.distributed exists)
 
 __all__ = [
     "geglu",

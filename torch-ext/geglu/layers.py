@@ -76,8 +76,14 @@ class GeluTanhAndMul(nn.Module):
 
 
 def _plain_linear(m) -> bool:
-    """An nn.Linear without bias or hooks (not a quantized or adapter subclass): its weight is the whole story."""
-    return (type(m) is nn.Linear and m.bias is None and not m._forward_hooks and not m._forward_pre_hooks)
+    """An nn.Linear without bias or hooks (not a quantized or adapter subclass), whose weight is a plain tensor (not
+    a DTensor of tensor parallelism) and whose forward is its class's (transformers' tensor parallelism and
+    accelerate replace ``module.forward``): its weight is the whole story."""
+    return (type(m) is nn.Linear and m.bias is None and not m._forward_hooks and not m._forward_pre_hooks
+            and type(m.weight) in _PLAIN_TENSORS and "forward" not in m.__dict__)
+
+
+_PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
 
 
 def _fused_inference(mlp, x: torch.Tensor, w_gate, w_up, w_down) -> Optional[torch.Tensor]:
