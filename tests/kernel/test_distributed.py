@@ -315,3 +315,20 @@ def test_fsdp2_training_compiled(compile_reports, data):
     """The same with each MLP compiled (Mode.TRAINING | Mode.TORCH_COMPILE, fullgraph): the ops run inside the
     compiled graphs (the training node is eager-only)."""
     _assert_fsdp(case(compile_reports, f"fsdp/compile/{data}"), data)
+
+
+def test_package_imports_without_torch_distributed(build_dir, tmp_path):
+    """_sharding is imported by the package's __init__; on a torch without torch.distributed it must only report
+    AVAILABLE = False (and the ops work as before)."""
+    code = (
+        "import torch, pathlib, sys\n"
+        "torch.distributed.is_available = lambda: False\n"
+        "import kernels\n"
+        "g = kernels.get_local_kernel(pathlib.Path(sys.argv[1]))\n"
+        "assert g._sharding.AVAILABLE is False and g._sharding.REGISTERED == [], g._sharding.REGISTERED\n"
+        "a, b = torch.randn(3, 8), torch.randn(3, 8)\n"
+        "assert torch.equal(g.geglu(a, b), torch.nn.functional.gelu(a) * b)\n"
+        "print('ok')\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(build_dir)], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr
