@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from toolhelpers import REPO_ROOT
 
 TIMEOUT = 600
@@ -59,3 +60,18 @@ def test_one_process_mesh(build_dir, tmp_path):
     assert set(report["phases"]) == {"prefill"}
     _check_phase(report["phases"]["prefill"])
     assert report["phases"]["prefill"]["profile"]["gate_local_shapes"] == [[2, 16, 64]]
+
+
+@pytest.mark.gpu
+def test_one_gpu_mesh_runs_our_kernels(build_dir, tmp_path):
+    """On one GPU (a 1-process mesh, parallelize_module): the profiled prefill and decode launched our kernels
+    (names with "geglu", on the GPU) on the kernel's inputs."""
+    out = tmp_path / "report.json"
+    cmd = [sys.executable, "-m", "kerneltools.bench_distributed", "--device", "cuda", "--tiny", "--build-dir",
+           str(build_dir), "--rounds", "1", "--warmup", "1", "--phases", "prefill,decode", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads(out.read_text())
+    for phase in ("prefill", "decode"):
+        events = report["phases"][phase]["profile"]["geglu_events"]
+        assert any(e["device_time_us"] > 0 for e in events.values()), (phase, events)
