@@ -332,3 +332,56 @@ def test_package_imports_without_torch_distributed(build_dir, tmp_path):
     proc = subprocess.run([sys.executable, "-c", code, str(build_dir)], capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr
+
+
+GPU_RULES = r"""
+import json, pathlib, sys, torch, torch.distributed as dist, torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
+from torch.profiler import ProfilerActivity, profile
+import kernels
+dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+torch.cuda.set_device(0)
+g = kernels.get_local_kernel(pathlib.Path(sys.argv[1]))
+mesh = init_device_mesh("cuda", (1,))
+torch.manual_seed(0)
+out = {}
+for dtype in (torch.float32, torch.bfloat16):
+    a, b, dy = (torch.randn(512, 4096, device="cuda", dtype=dtype) for _ in range(3))
+    x = torch.randn(512, 8192, device="cuda", dtype=dtype)
+    for name, pl, fn, ref in (
+            ("split", Shard(1), lambda t: g.geglu(t[0], t[1], "tanh", inplace_backward=True), None),
+            ("packed", _StridedShard(1, split_factor=2), lambda t: g.geglu_packed(t[0], "none"), None)):
+        ins = [distribute_tensor(t.clone(), mesh, [pl]).requires_grad_() for t in ((a, b) if name == "split" else (x,))]
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            y = fn(ins)
+            y.backward(distribute_tensor(dy, mesh, [y.placements[0]]))
+            torch.cuda.synchronize()
+        plain = [t.clone().requires_grad_() for t in ((a, b) if name == "split" else (x,))]
+        if name == "split":
+            ry = F.gelu(plain[0], approximate="tanh") * plain[1]
+        else:
+            ry = F.gelu(plain[0][:, :4096].contiguous()) * plain[0][:, 4096:].contiguous()
+        ry.backward(dy)
+        gpu = sorted({e.key for e in prof.key_averages() if "geglu" in e.key.lower() and e.device_time_total > 0})
+        out[f"{name}/{dtype}"] = {"y": bool(torch.equal(y.full_tensor(), ry)),
+                                  "grads": [bool(torch.equal(t.grad.full_tensor(), p.grad)) for t, p in zip(ins, plain)],
+                                  "kernels": gpu}
+dist.destroy_process_group()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.gpu
+def test_rules_on_one_gpu_mesh(build_dir):
+    """The rules on CUDA DTensors (a 1-process NCCL mesh; whatever torch the GPU machine has): the split form sharded
+    on the last dim and the packed form as _StridedShard, forward and backward, equal to eager (the packed form: eager
+    on contiguous halves), with our kernels in the profile."""
+    proc = subprocess.run([sys.executable, "-c", GPU_RULES, str(build_dir)], capture_output=True, text=True,
+                          timeout=600, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, r in res.items():
+        assert r["y"] and all(r["grads"]), (name, r)
+        assert r["kernels"], (name, r)

@@ -26,11 +26,13 @@ are, redistributes inputs that do not match it, calls the op on the local tensor
   ``NotImplementedError`` naming the out-of-place op to use. An in-place backward whose ``grad`` is placed
   differently from ``gate``/``up`` has no valid placement either: DTensor raises, rather than losing the gradients.
 
-Adding a rule for a new op is one entry in ``RULES`` (op name -> rule), e.g.::
+Adding a rule for a new op is one entry in ``RULES`` (op name -> rule), e.g. for an op ``my_mlp(x, w_in, w_out,
+approximate) -> y`` that is column-parallel in ``w_in`` and row-parallel in ``w_out``::
 
-    "geglu_mlp_fused": explicit(lambda x, w_gate, w_up, w_down, *_: [
-        ([Partial(), Replicate(), Replicate()], [Replicate(), Shard(0), Shard(0), Shard(1), None, None, None]),
-        ...]),
+    "my_mlp": explicit(lambda x, w_in, w_out, approximate: [
+        ([Replicate()], [Replicate(), Replicate(), Replicate(), None]),
+        ([Partial()], [Replicate(), Shard(0), Shard(1), None]),
+    ]),
 
 ``pointwise`` / ``packed`` build the rules of the GeGLU shapes; ``explicit`` takes a function of the op's arguments
 (DTensor specs, with ``.placements``, ``.ndim`` and ``.shape``, in place of tensors) that returns
@@ -76,8 +78,7 @@ def _partials(spec) -> list:
     return [p for p in spec.placements if isinstance(p, Partial) and p.reduce_op in _LINEAR_REDUCE_OPS]
 
 
-def _keep_placements(op_name: str, strategies: Strategies, args: Sequence, written: Sequence[int],
-                     n_out: int) -> Strategies:
+def _keep_placements(op_name: str, strategies: Strategies, args: Sequence, written: Sequence[int]) -> Strategies:
     """The strategies that leave the written arguments (indices into ``args``) where they are."""
     specs = [args[i] for i in written]
     placements = specs[0].placements
@@ -116,7 +117,7 @@ def pointwise(n_tensors: int, n_out: int, linear_in: Optional[int] = None,
                 ins = [Replicate()] * n_tensors
                 ins[linear_in] = p
                 out.append(([p] * n_out, ins + extra))
-        return _keep_placements(rule.op_name, out, args, writes, n_out) if writes else out
+        return _keep_placements(rule.op_name, out, args, writes) if writes else out
 
     return rule
 
@@ -147,7 +148,7 @@ def packed(roles: Sequence[str], outs: Sequence[str], linear_in: Optional[int] =
                 ins = [Replicate()] * n
                 ins[linear_in] = p
                 out.append(([p] * len(outs), ins + extra))
-        return _keep_placements(rule.op_name, out, args, writes, len(outs)) if writes else out
+        return _keep_placements(rule.op_name, out, args, writes) if writes else out
 
     return rule
 
