@@ -5,7 +5,7 @@ a CPU implementation with eager PyTorch's numerics. ``configure`` (or the ``GEGL
 which implementation runs and whether the MLP layer may use its fused kernels.
 """
 
-from . import layers
+from . import _sharding, layers  # _sharding: DTensor sharding rules for the ops, where torch.distributed exists
 from ._backend import get_backend, set_backend
 from ._config import Config, configure, get_config
 from ._ops import HAS_CUDA_LIB, ops

@@ -269,10 +269,23 @@ def _contiguous_last_dim(grad: Tensor) -> Tensor:
     return grad
 
 
+def _inplace_ok(*tensors: Tensor, packed: bool = False) -> bool:
+    """Whether the in-place backward may write over the saved tensors: always for plain (and fake) tensors; for
+    DTensors only where all share one placement, the same along every mesh dim, and (``packed``) not a shard of the
+    packed last dim (DTensor cannot redistribute the tensors an op writes into: `_sharding`). Elsewhere the
+    out-of-place backward runs."""
+    placements = getattr(tensors[0], "placements", None)
+    if placements is None:
+        return True
+    if packed and any(p.is_shard(tensors[-1].dim() - 1) for p in placements):
+        return False
+    return len(set(placements)) == 1 and all(getattr(t, "placements", None) == placements for t in tensors[1:])
+
+
 def _backward_split(ctx, grad):
     grad = _contiguous_last_dim(grad)
     gate, up = ctx.saved_tensors
-    if ctx.inplace_backward:
+    if ctx.inplace_backward and _inplace_ok(grad, gate, up):
         geglu_backward_(grad, gate, up, ctx.approximate)
         return gate, up, None, None
     d_gate, d_up = geglu_backward(grad, gate, up, ctx.approximate)
@@ -293,7 +306,7 @@ def _setup_packed(ctx, inputs, output):
 def _backward_packed(ctx, grad):
     grad = _contiguous_last_dim(grad)
     (x,) = ctx.saved_tensors
-    if ctx.inplace_backward:
+    if ctx.inplace_backward and _inplace_ok(grad, x, packed=True):
         geglu_packed_backward_(grad, x, ctx.approximate, ctx.act_first)
         return x, None, None, None
     return geglu_packed_backward(grad, x, ctx.approximate, ctx.act_first), None, None, None

@@ -58,10 +58,11 @@ _PLAIN = (torch.Tensor, nn.Parameter)
 
 
 def _plain_linear(m) -> bool:
-    """An nn.Linear without bias or hooks, with a plain tensor for weight (not a quantized or adapter subclass, not a
-    DTensor): its weight is the whole story."""
+    """An nn.Linear without bias or hooks (not a quantized or adapter subclass), whose weight is a plain tensor (not
+    a DTensor of tensor parallelism) and whose forward is its class's (transformers' tensor parallelism and
+    accelerate replace ``module.forward``): its weight is the whole story."""
     return (type(m) is nn.Linear and m.bias is None and not m._forward_hooks and not m._forward_pre_hooks
-            and type(m.weight) in _PLAIN)
+            and type(m.weight) in _PLAIN and "forward" not in m.__dict__)
 
 
 class GeGLUMLP(nn.Module):
