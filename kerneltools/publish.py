@@ -27,10 +27,11 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .build.config import toml_repo_id, validate_repo_id
+
 REQUIRED_METADATA = ("name", "id", "version", "license", "python-depends", "backend")
 MAX_ATTEMPTS = 8
 TMP_BRANCH_PREFIX = "tmp-publish-"
-_REPO_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
 class PublishError(Exception):
@@ -383,11 +384,13 @@ def publish(build_dir="build", repo_id: str | None = None, endpoint: str | None 
     build_dir = Path(build_dir)
     toml_path = Path(build_toml) if build_toml else build_dir.resolve().parent / "build.toml"
     toml = load_build_toml(toml_path)
-    repo_id = repo_id or (toml.get("general", {}).get("hub") or {}).get("repo-id")
+    repo_id = repo_id or toml_repo_id(toml)
     if not repo_id:
         raise PublishError(f"No repo id: pass --repo-id ORG/NAME or set repo-id under [general.hub] in {toml_path}.")
-    if not _REPO_ID_RE.match(repo_id):
-        raise PublishError(f"Invalid repo id {repo_id!r}: expected ORG/NAME, e.g. geglu-kernels/geglu.")
+    try:
+        validate_repo_id(repo_id)
+    except ValueError as e:
+        raise PublishError(f"{e} Pass --repo-id ORG/NAME, or fix [general.hub] repo-id in {toml_path}.") from None
     variants = scan_build(build_dir)
     version = check_build(variants, toml, force_dirty)
 

@@ -41,7 +41,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-DEFAULT_REPO_ID = "geglu-kernels/geglu"
+from .build.config import hub_repo_id
+
+DEFAULT_REPO_ID = hub_repo_id()  # build.toml's [general.hub] repo-id
 KEY_PREFIX = "geglu."
 
 SUPPORTED = "supported"  # bit-exact with eager for the model's default activation (gelu / gelu_pytorch_tanh)

@@ -1,4 +1,4 @@
-"""The compiled CUDA variant's builder (kerneltools.cuda_build), on a machine without a GPU.
+"""The compiled CUDA variant's builder (kerneltools.build.cuda), on a machine without a GPU.
 
 Builds once for ONE capability (9.0, ~20-30 s on 2 cores) into a temporary build/ next to the noarch variants,
 then checks kernel-builder's output contract, the ABI, how the `kernels` loader treats the variants on a CPU
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from kerneltools import build as kbuild
-from kerneltools import cuda_build
+from kerneltools.build import build, config as kbuild
+from kerneltools.build import cuda as cuda_build
 
 REPO = Path(__file__).resolve().parents[2]
 CAP = "9.0"
@@ -82,7 +82,7 @@ def built(tmp_path_factory) -> Built:
     os.environ["KERNELTOOLS_CUDA_CACHE"] = str(cache)  # a cold object cache: this really compiles
     try:
         t0 = time.monotonic()
-        paths = kbuild.build(REPO, out, variants=["cpu", "cuda", "cuda-compiled"], capability=CAP, log=log.append)
+        paths = build(REPO, out, variants=["cpu", "cuda", "cuda-compiled"], capability=CAP, log=log.append)
         seconds = time.monotonic() - t0
     finally:
         if old is None:

@@ -18,7 +18,10 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-TRUSTED_ORG = "geglu-kernels"
+from kerneltools.build.config import hub_repo_id  # noqa: E402
+
+GEGLU_REPO = hub_repo_id()  # build.toml's [general.hub] repo-id: the real kernel's repository
+TRUSTED_ORG = GEGLU_REPO.split("/", 1)[0]  # its organization, which the loopback Hub trusts
 
 
 def git(repo_dir: Path, *args: str) -> str:
@@ -172,9 +175,6 @@ def file_item(path: str, data: bytes) -> dict:
 
 
 # --- the real kernel -------------------------------------------------------------------------------------------------
-
-GEGLU_REPO = f"{TRUSTED_ORG}/geglu"  # build.toml [general.hub] repo-id
-
 
 @dataclass(frozen=True)
 class GegluBuild:
