@@ -203,11 +203,15 @@ def build_geglu(src_root: Path, out: Path) -> GegluBuild:
 
 
 def kernel_source_copy(dest: Path, *, version: int | None = None, note: str = "") -> Path:
-    """A git repository with a copy of this checkout's kernel sources (build.toml, torch-ext/, geglu/), committed:
-    the builder then gives it its own tree id, so its variants get ids (module names) of their own. `version`
-    replaces build.toml's; `note` is appended as a comment to the package's __init__.py (a changed tree)."""
+    """A git repository with a copy of this checkout's kernel sources (build.toml, CARD.md, torch-ext/, geglu/,
+    benchmarks/benchmark*.py), committed: the builder then gives it its own tree id, so its variants get ids (module
+    names) of their own. `version` replaces build.toml's; `note` is appended as a comment to the package's
+    __init__.py (a changed tree)."""
     dest.mkdir(parents=True)
-    shutil.copy2(REPO_ROOT / "build.toml", dest / "build.toml")
+    for f in ["build.toml", "CARD.md", *(p.relative_to(REPO_ROOT) for p in REPO_ROOT.glob("benchmarks/benchmark*.py"))]:
+        if (REPO_ROOT / f).is_file():
+            (dest / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO_ROOT / f, dest / f)
     generated = shutil.ignore_patterns("__pycache__", "*.pyc", "_ops.py", "registration.h", "*.so")
     for d in ("torch-ext", "geglu"):  # geglu/: the CUDA sources, where this checkout has them
         if (REPO_ROOT / d).is_dir():
