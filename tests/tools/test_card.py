@@ -43,6 +43,28 @@ def test_variant_serves(name, serves):
     assert variant_serves(name) == serves
 
 
+@pytest.mark.parametrize("torch_version, cuda, picked", [
+    ("2.13", "13.0", "torch-stable-abi210-cu130-x86_64-linux"),
+    ("2.10", "13.2", "torch-stable-abi210-cu130-x86_64-linux"),
+    ("2.13", "12.8", "torch-cuda"),  # a cu12x torch falls back to the Triton variant
+    ("2.12", "12.6", "torch-cuda"),
+    ("2.9", "13.0", "torch-cuda"),  # older than the stable ABI
+    ("2.13", None, "torch-cpu"),
+])
+def test_the_card_says_what_the_loader_does(torch_version, cuda, picked):
+    """The card's claims, checked with kernels' own variant resolution for the system described."""
+    from kernels.backends import CPU, CUDA
+    from kernels.variants import _resolve_variant_for_system, parse_variant
+    from packaging.version import Version
+
+    names = ["torch-stable-abi210-cu130-x86_64-linux", "torch-cuda", "torch-cpu"]
+    backend = CUDA(version=Version(cuda)) if cuda else CPU()
+    accepted, _ = _resolve_variant_for_system(
+        variants=[parse_variant(n) for n in names], selected_backend=backend, cpu="x86_64", os="linux",
+        torch_version=Version(torch_version), torch_cxx11_abi=True, tvm_ffi_version=None)
+    assert accepted[0].variant_str == picked
+
+
 def _readme(hub) -> str:
     return git(repo_dir(hub, GEGLU_REPO), "show", "main:README.md")
 

@@ -98,6 +98,9 @@ def built(tmp_path_factory) -> Built:
 def test_variant_name_and_flat_layout(built):
     nvcc = cuda_build.probe_nvcc(cuda_build.find_nvcc())
     assert built.variant.name == f"torch-stable-abi210-cu{nvcc.major}{nvcc.minor}-x86_64-linux"
+    from kernels.variants import parse_variant
+
+    assert parse_variant(built.variant.name).variant_str == built.variant.name  # kernels' own grammar
     assert built.variant.parent == built.out
     assert OPS_RE.match(built.ops), built.ops
     entries = sorted(p.name for p in built.variant.iterdir())
