@@ -1,6 +1,6 @@
 """benchmarks/benchmark.py with kernels' own benchmark runner: its workloads agree with eager PyTorch, and
-`kernels benchmark ORG/NAME@v1` runs them from the version branch that publish wrote on the loopback Hub (CPU, the
-runner's small CPU shapes, a few iterations: the timings themselves are not checked)."""
+`kernels benchmark ORG/NAME@v1` runs them from the version branch that publish wrote on the loopback Hub (a few
+iterations, the small CPU shapes without a GPU: the timings themselves are not checked)."""
 
 from __future__ import annotations
 
@@ -57,24 +57,26 @@ def test_the_workloads_are_forward_and_backward_of_each_form_for_both_gelus():
         assert benchmarks == verifies == WORKLOADS, name
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("cls_name", list(CLASSES))
 @pytest.mark.parametrize("workload", sorted(WORKLOADS))
-def test_each_workload_matches_eager(geglu, cls_name, workload):
+def test_each_workload_matches_eager(geglu, device, cls_name, workload):
     """As the runner calls them (seed, setup, benchmark_*, then verify_*), on the kernel loaded from the build; the
-    reference is computed without the kernel."""
+    reference is computed without the kernel. On the GPU (bf16, the benchmark's full shape) bit-exact throughout."""
     cls = _classes()[cls_name]
     bench = cls()
-    bench.kernel, bench.device = geglu, "cpu"
+    bench.kernel, bench.device = geglu, device
     torch.manual_seed(bench.seed)
     bench.setup()
     getattr(bench, f"benchmark_{workload}")()
     out = bench.out
     bench.kernel = None  # verify_* is eager PyTorch alone
     ref = getattr(bench, f"verify_{workload}")()
-    assert out.shape == ref.shape and out.dtype == ref.dtype == torch.float32
-    rows, d = 64, 512
+    assert out.shape == ref.shape and out.dtype == ref.dtype == (torch.bfloat16 if device == "cuda" else torch.float32)
+    assert out.device.type == device
+    rows, d = bench.dy.shape
     assert out.numel() == rows * d * (2 if workload.startswith("forward_backward") else 1)
-    if cls.approximate == "none" and "packed" in workload:
+    if device == "cpu" and cls.approximate == "none" and "packed" in workload:
         assert (out - ref).abs().max() <= RTOL * ref.abs().max()
     else:
         assert torch.equal(out, ref)
@@ -96,8 +98,9 @@ def _check_report(proc):
     assert set(results) == {f"{c}.{w}" for c in CLASSES for w in WORKLOADS}
     assert all(r["verified"] is True for r in results.values())
     assert all(r["timingResults"]["iterations"] == 2 for r in results.values())
-    assert payload["machineInfo"]["backend"] == "CPU"
-    assert "Running GeGLUErf on cpu" in proc.stderr and "Running GeGLUTanh on cpu" in proc.stderr
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the runner's choice: its backend's device
+    assert payload["machineInfo"]["backend"].startswith("CUDA" if device == "cuda" else "CPU")
+    assert f"Running GeGLUErf on {device}" in proc.stderr and f"Running GeGLUTanh on {device}" in proc.stderr
 
 
 def test_kernels_benchmark_runs_the_published_version(published):
