@@ -1,4 +1,5 @@
-"""``python -m kerneltools <subcommand>``: one module per subcommand.
+"""``kerneltools <subcommand>`` (the console script scripts/setup-env.sh installs; ``python -m kerneltools`` is the
+same): one module per subcommand.
 
 Each module listed in SUBCOMMANDS defines ``add_parser(subparsers)``, which adds its subparser and calls
 ``set_defaults(_main=main)``, and ``main(args) -> int``. Keep module-level imports light (import torch,
@@ -24,7 +25,8 @@ SUBCOMMANDS = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m kerneltools", description="Tooling for the GeGLU kernel package.")
+    parser = argparse.ArgumentParser(prog="kerneltools", description="Tooling for the GeGLU kernel package "
+                                     "(also run as python -m kerneltools).")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMANDS:
         importlib.import_module(name).add_parser(subparsers)

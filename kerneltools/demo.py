@@ -16,7 +16,9 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO_ID = "geglu-kernels/geglu"
+from .build.config import hub_repo_id
+
+REPO_ID = hub_repo_id()  # build.toml's [general.hub] repo-id
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -95,7 +97,7 @@ def run(workdir: Path, endpoint: str | None, keep: bool) -> int:
     hub_ctx = None
     if endpoint is None:
         log.step("start the loopback Hub server (git-backed, 127.0.0.1, free port)")
-        hub_ctx = serve_hub(workdir / "hub", trusted_orgs=["geglu-kernels"])
+        hub_ctx = serve_hub(workdir / "hub", trusted_orgs=[REPO_ID.split("/", 1)[0]])
         hub = hub_ctx.__enter__()
         endpoint = hub.url
         log.info(f"HF_ENDPOINT={endpoint}")

@@ -10,7 +10,14 @@ Layout, as kernel-builder's upload makes it:
     commit is made on a temporary branch first and ``v<N>`` is created pointing at it, so ``v<N>`` never exists
     half-filled (an interrupted publish leaves at most a ``tmp-publish-*`` branch, which kernels ignores).
   - Existing branch: only the uploaded variants are replaced (their stale files deleted); other variants stay.
-- ``README.md`` on ``main``: a card generated from ``build.toml`` and the published variants.
+- ``benchmarks/benchmark*.py`` of the kernel repository (the folder of ``build.toml``) go to the same branch, beside
+  ``build/``, for ``kernels benchmark ORG/NAME@v<version>``; benchmark scripts the checkout no longer has are
+  removed from the branch.
+- ``README.md`` on ``main``: the repository's ``CARD.md`` rendered with the version and variant tables
+  (:mod:`kerneltools.card`).
+
+Files whose content the branch already holds are left out of the commit; when nothing changed, no commit is made
+(and the result says so).
 
 Every change is one ``create_commit`` with ``parent_commit`` set: the Hub applies it entirely or not at all, and if
 the branch moved meanwhile (another publish), it is refused with 412 and this tool **retries on the new head**
@@ -19,18 +26,21 @@ the branch moved meanwhile (another publish), it is refused with 412 and this to
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-import re
 import sys
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .build.config import toml_repo_id, validate_repo_id
+from .card import CardError, CardVariant, card_context, render_card
+
 REQUIRED_METADATA = ("name", "id", "version", "license", "python-depends", "backend")
 MAX_ATTEMPTS = 8
 TMP_BRANCH_PREFIX = "tmp-publish-"
-_REPO_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+BENCHMARK_GLOB = "benchmark*.py"  # benchmarks/<these> go to branch v<N>, as kernel-builder's upload does
 
 
 class PublishError(Exception):
@@ -70,6 +80,9 @@ class PublishResult:
     card_commit: str | None
     endpoint: str
     notes: list[str] = field(default_factory=list)
+    benchmarks: list[str] = field(default_factory=list)  # paths in the repo, e.g. benchmarks/benchmark.py
+    build_changed: bool = True  # False: branch v<N> already held exactly these files (no new commit)
+    card_changed: bool = True  # False: main's README.md was already this card
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -176,57 +189,21 @@ def check_build(variants: list[Variant], toml: dict, force_dirty: bool) -> int:
     return version
 
 
-def render_card(toml: dict, repo_id: str, version: int, variants: list[Variant],
-                versions_on_hub: dict[int, list[str]]) -> str:
-    g = toml.get("general", {})
-    name = g.get("name", repo_id.split("/")[1])
-    license_id = str(g.get("license", "other"))
-    caps = sorted({c for k in (toml.get("kernel") or {}).values() if isinstance(k, dict)
-                   for c in k.get("cuda-capabilities", [])}, key=lambda c: [int(x) for x in re.findall(r"\d+", c)])
-    latest = max(versions_on_hub) if versions_on_hub else version
-    lines = [
-        "---",
-        f"license: {license_id.lower()}",
-        "tags:",
-        "- kernels",
-        "---",
-        "",
-        f"# {name}",
-        "",
-        f"Builds of the `{name}` kernel for the Hugging Face [kernels](https://github.com/huggingface/kernels) loader.",
-        "Each major version lives on its own branch (`v1`, `v2`, ...); `main` holds only this card.",
-        "",
-        "## Usage",
-        "",
-        "```python",
-        "from kernels import get_kernel",
-        "",
-        f'{name.replace("-", "_")} = get_kernel("{repo_id}", version={latest})',
-        "```",
-        "",
-        "## Versions",
-        "",
-        "| version | branch | variants |",
-        "|---|---|---|",
-    ]
-    for v in sorted(versions_on_hub, reverse=True):
-        lines.append(f"| {v} | `v{v}` | {', '.join(f'`{x}`' for x in versions_on_hub[v]) or '-'} |")
-    lines += [
-        "",
-        f"## Variants of version {version}",
-        "",
-        "| variant | backend | archs |",
-        "|---|---|---|",
-    ]
-    for v in variants:
-        lines.append(f"| `{v.name}` | {v.backend} | {', '.join(v.archs) or 'any'} |")
-    lines += ["", "## Build", "", f"- license: {license_id}"]
-    if g.get("backends"):
-        lines.append(f"- backends: {', '.join(g['backends'])}")
-    if caps:
-        lines.append(f"- CUDA capabilities: {', '.join(caps)}")
-    lines.append("")
-    return "\n".join(lines)
+def benchmark_files(root: Path) -> dict[str, Path]:
+    """The kernel repository's ``benchmarks/benchmark*.py`` (path in the repo -> local file), for branch v<N>."""
+    folder = root / "benchmarks"
+    return {f"benchmarks/{p.name}": p for p in sorted(folder.glob(BENCHMARK_GLOB)) if p.is_file()}
+
+
+def card_text(toml: dict, root: Path, repo_id: str, version: int, variants: list[Variant],
+              versions_on_hub: dict[int, list[str]], benchmarks: list[str]) -> str:
+    """The README.md for main: ``root``'s CARD.md filled in (kerneltools.card). Raises PublishError."""
+    card_variants = [CardVariant(v.name, v.backend, tuple(v.archs)) for v in variants]
+    context = card_context(toml, repo_id, version, card_variants, versions_on_hub, root, benchmarks)
+    try:
+        return render_card(context, root)
+    except CardError as e:
+        raise PublishError(f"Cannot render the card: {e}") from None
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -245,15 +222,31 @@ def _is_transport_error(e: BaseException) -> bool:
                                                                    "requests", "urllib3"})
 
 
-def _tree_files(api, repo_id: str, rev: str, path: str) -> list[str]:
+def _tree_files(api, repo_id: str, rev: str, path: str | None, recursive: bool = True) -> dict:
+    """The files under ``path`` (None: the top level) at ``rev``: path in the repo -> RepoFile."""
     from huggingface_hub.errors import EntryNotFoundError
     from huggingface_hub.hf_api import RepoFile
 
     try:
-        return [e.path for e in api.list_repo_tree(repo_id, path_in_repo=path, repo_type="kernel", revision=rev,
-                                                   recursive=True) if isinstance(e, RepoFile)]
+        return {e.path: e for e in api.list_repo_tree(repo_id, path_in_repo=path, repo_type="kernel", revision=rev,
+                                                      recursive=recursive) if isinstance(e, RepoFile)}
     except EntryNotFoundError:
-        return []
+        return {}
+
+
+def _holds(remote, data: bytes) -> bool:
+    """Whether the Hub's file ``remote`` (a RepoFile) has exactly the content ``data``: its LFS sha256, or its git
+    blob id."""
+    if remote is None:
+        return False
+    if remote.lfs is not None:
+        return remote.lfs.sha256 == hashlib.sha256(data).hexdigest()
+    return remote.blob_id == hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def _is_benchmark(path: str) -> bool:
+    folder, _, name = path.rpartition("/")
+    return folder == "benchmarks" and Path(name).match(BENCHMARK_GLOB)
 
 
 def _heads(api, repo_id: str) -> dict[str, str]:
@@ -283,8 +276,11 @@ class _Steps:
         self.bar.close()
 
 
-def _commit_with_retry(api, repo_id: str, branch: str, make_ops, message: str, say) -> str | None:
-    """create_commit(parent_commit=head) on branch; on 412 (moved meanwhile) recompute on the new head and retry."""
+def _commit_with_retry(api, repo_id: str, branch: str, make_ops, message: str, say) -> tuple[str, bool] | None:
+    """create_commit(parent_commit=head) on branch; on 412 (moved meanwhile) recompute on the new head and retry.
+
+    Returns (head after it, whether a commit was made: make_ops returning no operation means the branch already
+    holds everything), or None when the branch does not exist."""
     from huggingface_hub.errors import HfHubHTTPError
 
     for attempt in range(1, MAX_ATTEMPTS + 1):
@@ -293,10 +289,10 @@ def _commit_with_retry(api, repo_id: str, branch: str, make_ops, message: str, s
             return None
         ops = make_ops(head)
         if not ops:
-            return head
+            return head, False
         try:
             return api.create_commit(repo_id, operations=ops, commit_message=message, repo_type="kernel",
-                                     revision=branch, parent_commit=head).oid
+                                     revision=branch, parent_commit=head).oid, True
         except HfHubHTTPError as e:
             if _status(e) != 412:
                 raise
@@ -306,32 +302,46 @@ def _commit_with_retry(api, repo_id: str, branch: str, make_ops, message: str, s
                        "at once?). Nothing from this attempt was committed; run publish again.")
 
 
-def _upload_build(api, repo_id: str, version: int, variants: list[Variant], say, notes: list[str]) -> str:
+def _upload_build(api, repo_id: str, version: int, variants: list[Variant], benchmarks: dict[str, Path], say,
+                  notes: list[str]) -> tuple[str, bool]:
+    """Commit the variants (and benchmark scripts) to branch v<version>; returns (its head, whether it changed)."""
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete
     from huggingface_hub.errors import HfHubHTTPError
 
     branch = f"v{version}"
     adds = {p: f for v in variants for p, f in v.files.items()}
+    adds.update(benchmarks)
     names = ", ".join(v.name for v in variants)
     message = f"Upload {names} (version {version})"
 
+    def remote_files(head: str) -> dict:
+        return {**_tree_files(api, repo_id, head, "build"), **_tree_files(api, repo_id, head, "benchmarks")}
+
+    def stale(path: str, uploaded_variants: bool) -> bool:
+        if path in adds:
+            return False
+        if path.startswith("build/"):
+            return not uploaded_variants or any(path.startswith(f"build/{v.name}/") for v in variants)
+        return bool(benchmarks) and _is_benchmark(path)  # benchmark scripts the checkout no longer has
+
     def ops_replacing_variants(head: str) -> list:
-        # existing branch: replace the uploaded variants only
-        dels = [p for p in _tree_files(api, repo_id, head, "build")
-                if any(p.startswith(f"build/{v.name}/") for v in variants) and p not in adds]
-        return [CommitOperationDelete(p) for p in dels] + [CommitOperationAdd(p, str(f)) for p, f in adds.items()]
+        # existing branch: replace the uploaded variants (and benchmark scripts) only; unchanged files stay out
+        remote = remote_files(head)
+        dels = [p for p in remote if stale(p, uploaded_variants=True)]
+        new = [p for p, f in adds.items() if not _holds(remote.get(p), f.read_bytes())]
+        return [CommitOperationDelete(p) for p in dels] + [CommitOperationAdd(p, str(adds[p])) for p in new]
 
     def ops_fresh(head: str) -> list:
         # new branch from main: no build/ file but the uploaded ones
-        dels = [p for p in _tree_files(api, repo_id, head, "build") if p not in adds]
+        dels = [p for p in remote_files(head) if stale(p, uploaded_variants=False)]
         return [CommitOperationDelete(p) for p in dels] + [CommitOperationAdd(p, str(f)) for p, f in adds.items()]
 
     for _ in range(MAX_ATTEMPTS):
         heads = _heads(api, repo_id)
         if branch in heads:
-            sha = _commit_with_retry(api, repo_id, branch, ops_replacing_variants, message, say)
-            if sha is not None:
-                return sha
+            done = _commit_with_retry(api, repo_id, branch, ops_replacing_variants, message, say)
+            if done is not None:
+                return done
             continue  # the branch was deleted meanwhile: start over
         if "main" not in heads:
             raise PublishError(f"{repo_id} has no 'main' branch to start {branch} from. Create it (any commit on "
@@ -344,7 +354,7 @@ def _upload_build(api, repo_id: str, version: int, variants: list[Variant], say,
                                     repo_type="kernel", revision=tmp, parent_commit=heads["main"]).oid
             try:
                 api.create_branch(repo_id, branch=branch, revision=sha, repo_type="kernel")
-                return sha
+                return sha, True
             except HfHubHTTPError as e:
                 if _status(e) != 409:
                     raise
@@ -376,20 +386,27 @@ def _versions_on_hub(api, repo_id: str) -> dict[int, list[str]]:
 
 def publish(build_dir="build", repo_id: str | None = None, endpoint: str | None = None, token=None,
             force_dirty: bool = False, build_toml=None, progress: bool | None = None) -> PublishResult:
-    """Publish build_dir to repo_id (default: [general.hub] repo-id of build.toml). Raises PublishError."""
+    """Publish build_dir to repo_id (default: [general.hub] repo-id of build.toml) with the benchmark scripts and
+    the card of the repository that holds build.toml. Raises PublishError."""
     from huggingface_hub import CommitOperationAdd, HfApi
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
 
     build_dir = Path(build_dir)
     toml_path = Path(build_toml) if build_toml else build_dir.resolve().parent / "build.toml"
     toml = load_build_toml(toml_path)
-    repo_id = repo_id or (toml.get("general", {}).get("hub") or {}).get("repo-id")
+    root = toml_path.resolve().parent
+    repo_id = repo_id or toml_repo_id(toml)
     if not repo_id:
         raise PublishError(f"No repo id: pass --repo-id ORG/NAME or set repo-id under [general.hub] in {toml_path}.")
-    if not _REPO_ID_RE.match(repo_id):
-        raise PublishError(f"Invalid repo id {repo_id!r}: expected ORG/NAME, e.g. geglu-kernels/geglu.")
+    try:
+        validate_repo_id(repo_id)
+    except ValueError as e:
+        raise PublishError(f"{e} Pass --repo-id ORG/NAME, or fix [general.hub] repo-id in {toml_path}.") from None
     variants = scan_build(build_dir)
     version = check_build(variants, toml, force_dirty)
+    benchmarks = benchmark_files(root)
+    # a card that cannot render stops the publish here, before anything is uploaded
+    card_text(toml, root, repo_id, version, variants, {version: [v.name for v in variants]}, list(benchmarks))
 
     api = HfApi(endpoint=endpoint, token=token)
     endpoint = api.endpoint
@@ -400,20 +417,21 @@ def publish(build_dir="build", repo_id: str | None = None, endpoint: str | None 
         steps.step(f"create {repo_id}")
         api.create_repo(repo_id, repo_type="kernel", exist_ok=True)
         steps.done()
-        nbytes = sum(f.stat().st_size for v in variants for f in v.files.values())
-        nfiles = sum(len(v.files) for v in variants)
-        steps.step(f"upload v{version}: {nfiles} files, {nbytes / 1e6:.1f} MB")
-        sha = _upload_build(api, repo_id, version, variants, steps.write, notes)
+        files = [f for v in variants for f in v.files.values()] + list(benchmarks.values())
+        steps.step(f"upload v{version}: {len(files)} files, {sum(f.stat().st_size for f in files) / 1e6:.1f} MB")
+        sha, build_changed = _upload_build(api, repo_id, version, variants, benchmarks, steps.write, notes)
         state = f"version {version} was published (branch v{version} at {sha[:12]}) but the card on main was not updated"
         steps.done()
         steps.step("card README.md on main")
-        card = render_card(toml, repo_id, version, variants, _versions_on_hub(api, repo_id)).encode()
+        card = card_text(toml, root, repo_id, version, variants, _versions_on_hub(api, repo_id),
+                         list(benchmarks)).encode()
 
         def card_ops(head: str) -> list:
-            return [CommitOperationAdd("README.md", card)]
+            current = _tree_files(api, repo_id, head, None, recursive=False).get("README.md")
+            return [] if _holds(current, card) else [CommitOperationAdd("README.md", card)]
 
-        card_sha = _commit_with_retry(api, repo_id, "main", card_ops, f"Update card for version {version}",
-                                      steps.write)
+        card_done = _commit_with_retry(api, repo_id, "main", card_ops, f"Update card for version {version}",
+                                       steps.write)
         steps.done()
     except PublishError:
         raise
@@ -434,7 +452,9 @@ def publish(build_dir="build", repo_id: str | None = None, endpoint: str | None 
                            "repeating it is safe." + _notes(notes))
     finally:
         steps.close()
-    return PublishResult(repo_id, version, f"v{version}", sha, [v.name for v in variants], card_sha, endpoint, notes)
+    card_sha, card_changed = card_done if card_done is not None else (None, False)
+    return PublishResult(repo_id, version, f"v{version}", sha, [v.name for v in variants], card_sha, endpoint, notes,
+                         benchmarks=list(benchmarks), build_changed=build_changed, card_changed=card_changed)
 
 
 def _notes(notes: list[str]) -> str:
@@ -460,7 +480,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--build-dir", type=Path, default=Path("build"), help="builder output (default: build)")
     p.add_argument("--repo-id", help="ORG/NAME (default: [general.hub] repo-id in build.toml)")
     p.add_argument("--endpoint", help="Hub URL (default: $HF_ENDPOINT, else https://huggingface.co)")
-    p.add_argument("--build-toml", type=Path, help="build.toml to read (default: next to the build directory)")
+    p.add_argument("--build-toml", type=Path, help="build.toml to read (default: next to the build directory); its "
+                   "folder's CARD.md and benchmarks/benchmark*.py are published with the build")
     p.add_argument("--force-dirty", action="store_true", help="publish a build made from uncommitted changes")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(_main=main)
@@ -476,7 +497,13 @@ def main(args) -> int:
         return 1
     for n in r.notes:
         print(f"note: {n}", file=sys.stderr)
-    print(f"Published {r.repo_id} version {r.version} to {r.endpoint}: branch {r.branch} at {r.commit[:12]} "
-          f"({', '.join(r.variants)}).")
+    what = ", ".join(r.variants + r.benchmarks)
+    if r.build_changed:
+        print(f"Published {r.repo_id} version {r.version} to {r.endpoint}: branch {r.branch} at {r.commit[:12]} "
+              f"({what}).")
+    else:  # one line for a republish of the same build, not one "nothing changed" per commit
+        print(f"{r.repo_id} version {r.version} on {r.endpoint} already holds this build: branch {r.branch} at "
+              f"{r.commit[:12]} ({what}); "
+              + ("the card on main was updated." if r.card_changed else "nothing new was committed."))
     print(f'Load it with: get_kernel("{r.repo_id}", version={r.version})')
     return 0

@@ -41,7 +41,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-DEFAULT_REPO_ID = "geglu-kernels/geglu"
+from .build.config import hub_repo_id
+
+DEFAULT_REPO_ID = hub_repo_id()  # build.toml's [general.hub] repo-id
 KEY_PREFIX = "geglu."
 
 SUPPORTED = "supported"  # bit-exact with eager for the model's default activation (gelu / gelu_pytorch_tanh)
@@ -253,7 +255,20 @@ def register_geglu_kernels(repo_id: str = DEFAULT_REPO_ID, *, version: int | Non
         reg.mapping[host.key] = {device: {mode: repos[host.layer] for mode in modes} for device in devices}
     if register:
         register_kernel_mapping(reg.mapping)
+        # kernelize warns "No kernel mapping found for layer X" for every module of a hub layer name that has no
+        # entry at all (transformers marks rotary_pos_emb, GeluTanh, RMSNorm, ...). An entry with no device keeps
+        # their own forward silently; an entry already registered (transformers' own mapping) is left as it is.
+        register_kernel_mapping({name: {} for name in _transformers_layer_names()})
     return reg
+
+
+def _transformers_layer_names() -> list[str]:
+    """The hub layer names of transformers' default kernel mapping (none when transformers lacks it)."""
+    try:
+        from transformers.integrations.hub_kernels import get_kernel_mapping_transformers
+    except ImportError:
+        return []
+    return sorted(get_kernel_mapping_transformers())
 
 
 def geglu_kernel_config(model: Any, repo_id: str = DEFAULT_REPO_ID, *, version: int | None = 1,

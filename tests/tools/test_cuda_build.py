@@ -1,4 +1,4 @@
-"""The compiled CUDA variant's builder (kerneltools.cuda_build), on a machine without a GPU.
+"""The compiled CUDA variant's builder (kerneltools.build.cuda), on a machine without a GPU.
 
 Builds once for ONE capability (9.0, ~20-30 s on 2 cores) into a temporary build/ next to the noarch variants,
 then checks kernel-builder's output contract, the ABI, how the `kernels` loader treats the variants on a CPU
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from kerneltools import build as kbuild
-from kerneltools import cuda_build
+from kerneltools.build import build, config as kbuild
+from kerneltools.build import cuda as cuda_build
 
 REPO = Path(__file__).resolve().parents[2]
 CAP = "9.0"
@@ -82,7 +82,7 @@ def built(tmp_path_factory) -> Built:
     os.environ["KERNELTOOLS_CUDA_CACHE"] = str(cache)  # a cold object cache: this really compiles
     try:
         t0 = time.monotonic()
-        paths = kbuild.build(REPO, out, variants=["cpu", "cuda", "cuda-compiled"], capability=CAP, log=log.append)
+        paths = build(REPO, out, variants=["cpu", "cuda", "cuda-compiled"], capability=CAP, log=log.append)
         seconds = time.monotonic() - t0
     finally:
         if old is None:
@@ -98,6 +98,9 @@ def built(tmp_path_factory) -> Built:
 def test_variant_name_and_flat_layout(built):
     nvcc = cuda_build.probe_nvcc(cuda_build.find_nvcc())
     assert built.variant.name == f"torch-stable-abi210-cu{nvcc.major}{nvcc.minor}-x86_64-linux"
+    from kernels.variants import parse_variant
+
+    assert parse_variant(built.variant.name).variant_str == built.variant.name  # kernels' own grammar
     assert built.variant.parent == built.out
     assert OPS_RE.match(built.ops), built.ops
     entries = sorted(p.name for p in built.variant.iterdir())

@@ -346,3 +346,50 @@ def test_concurrent_publishes_both_land(hub, tmp_path, monkeypatch, capsys, scen
         init = git(repo_dir(hub, REPO), "show", f"{head}:build/torch-cpu/__init__.py")
         assert f"MARKER = 'm{last}'" in init
     assert not [b for b in _heads(api) if b.startswith("tmp-publish")]
+
+
+def test_benchmark_scripts_go_to_the_version_branch(api, hub, tmp_path):
+    b = _project(tmp_path, variants=("torch-cpu", "torch-cuda"))
+    bench = b.parent / "benchmarks"
+    bench.mkdir()
+    (bench / "benchmark.py").write_text("# main workloads\n")
+    (bench / "benchmark_extra.py").write_text("# more\n")
+    (bench / "probe.py").write_text("# not a benchmark script\n")
+    r = publish(b, endpoint=hub.url, progress=False)
+    assert r.benchmarks == ["benchmarks/benchmark.py", "benchmarks/benchmark_extra.py"]
+    files = _files(api, "v1")
+    assert [p for p in files if p.startswith("benchmarks/")] == r.benchmarks
+    assert git(repo_dir(hub, REPO), "show", "v1:benchmarks/benchmark.py") == "# main workloads\n"
+    assert not [p for p in _files(api, "main") if p.startswith("benchmarks/")]  # main holds the card only
+
+    # a script the checkout no longer has leaves the branch; the variants stay
+    (bench / "benchmark_extra.py").unlink()
+    (bench / "benchmark.py").write_text("# main workloads, v2 of the script\n")
+    r = publish(b, endpoint=hub.url, progress=False)
+    after = _files(api, "v1")
+    assert [p for p in after if p.startswith("benchmarks/")] == ["benchmarks/benchmark.py"]
+    assert {p: o for p, o in after.items() if p.startswith("build/")} == \
+        {p: o for p, o in files.items() if p.startswith("build/")}
+    assert r.build_changed and git(repo_dir(hub, REPO), "show", "v1:benchmarks/benchmark.py").endswith("script\n")
+
+
+def test_republishing_the_same_build_commits_nothing_and_says_so_once(api, hub, tmp_path):
+    b = _project(tmp_path, variants=("torch-cpu", "torch-cuda"))
+    publish(b, endpoint=hub.url, progress=False)
+    commits = {rev: len(api.list_repo_commits(REPO, revision=rev, **K)) for rev in ("v1", "main")}
+    env = kernels_env(hub.url, tmp_path)
+    r = subprocess.run([sys.executable, "-m", "kerneltools", "publish", "--build-dir", str(b), "--no-progress"],
+                       capture_output=True, text=True, env=env, cwd=REPO_ROOT)
+    assert r.returncode == 0, r.stderr
+    assert {rev: len(api.list_repo_commits(REPO, revision=rev, **K)) for rev in ("v1", "main")} == commits
+    assert "No files have been modified" not in r.stdout + r.stderr
+    said = [line for line in r.stdout.splitlines() if "already holds this build" in line]
+    assert len(said) == 1 and said[0].endswith("nothing new was committed."), r.stdout
+    assert "Published" not in r.stdout
+
+    # one changed file: a commit with just that file (the unchanged ones are left out)
+    (b / "torch-cpu" / "layers.py").write_text("# changed\n")
+    res = publish(b, endpoint=hub.url, progress=False)
+    assert res.build_changed and not res.card_changed
+    changed = git(repo_dir(hub, REPO), "diff", "--name-only", f"{res.commit}~1", res.commit).split()
+    assert changed == ["build/torch-cpu/layers.py"]

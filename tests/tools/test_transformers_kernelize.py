@@ -32,14 +32,14 @@ from pathlib import Path
 import pytest
 
 import transformers_worker as W
-from toolhelpers import REPO_ROOT, TRUSTED_ORG, kernels_env
+from toolhelpers import GEGLU_REPO, REPO_ROOT, TRUSTED_ORG, kernels_env
 
 if importlib.util.find_spec("transformers") is None:
     pytest.skip("transformers is not installed", allow_module_level=True)
 
 from kerneltools.transformers_kernels import GEGLU_CLASSES, KEY_PREFIX, NOT_SUPPORTED, classes_markdown  # noqa: E402
 
-REPO_ID = f"{TRUSTED_ORG}/geglu"
+REPO_ID = GEGLU_REPO
 RTOL = 1e-5
 WORKER = Path(W.__file__)
 WORKER_TIMEOUT = 600

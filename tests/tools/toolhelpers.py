@@ -18,7 +18,10 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-TRUSTED_ORG = "geglu-kernels"
+from kerneltools.build.config import hub_repo_id  # noqa: E402
+
+GEGLU_REPO = hub_repo_id()  # build.toml's [general.hub] repo-id: the real kernel's repository
+TRUSTED_ORG = GEGLU_REPO.split("/", 1)[0]  # its organization, which the loopback Hub trusts
 
 
 def git(repo_dir: Path, *args: str) -> str:
@@ -173,9 +176,6 @@ def file_item(path: str, data: bytes) -> dict:
 
 # --- the real kernel -------------------------------------------------------------------------------------------------
 
-GEGLU_REPO = f"{TRUSTED_ORG}/geglu"  # build.toml [general.hub] repo-id
-
-
 @dataclass(frozen=True)
 class GegluBuild:
     """Noarch variants of the real kernel built by kerneltools.build; ids are metadata.json's (module names)."""
@@ -203,11 +203,15 @@ def build_geglu(src_root: Path, out: Path) -> GegluBuild:
 
 
 def kernel_source_copy(dest: Path, *, version: int | None = None, note: str = "") -> Path:
-    """A git repository with a copy of this checkout's kernel sources (build.toml, torch-ext/, geglu/), committed:
-    the builder then gives it its own tree id, so its variants get ids (module names) of their own. `version`
-    replaces build.toml's; `note` is appended as a comment to the package's __init__.py (a changed tree)."""
+    """A git repository with a copy of this checkout's kernel sources (build.toml, CARD.md, torch-ext/, geglu/,
+    benchmarks/benchmark*.py), committed: the builder then gives it its own tree id, so its variants get ids (module
+    names) of their own. `version` replaces build.toml's; `note` is appended as a comment to the package's
+    __init__.py (a changed tree)."""
     dest.mkdir(parents=True)
-    shutil.copy2(REPO_ROOT / "build.toml", dest / "build.toml")
+    for f in ["build.toml", "CARD.md", *(p.relative_to(REPO_ROOT) for p in REPO_ROOT.glob("benchmarks/benchmark*.py"))]:
+        if (REPO_ROOT / f).is_file():
+            (dest / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO_ROOT / f, dest / f)
     generated = shutil.ignore_patterns("__pycache__", "*.pyc", "_ops.py", "registration.h", "*.so")
     for d in ("torch-ext", "geglu"):  # geglu/: the CUDA sources, where this checkout has them
         if (REPO_ROOT / d).is_dir():

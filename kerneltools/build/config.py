@@ -1,32 +1,25 @@
-"""Build the kernel-builder output tree (``build/<variant>/``) without Nix.
+"""What every variant is made of: build.toml, the source id, the ops id, the package files and metadata.json.
 
-Variants (see docs/design.md):
-
-* ``torch-cpu``   noarch, the Python package with the CPU implementation;
-* ``torch-cuda``  noarch, Triton kernels only (any torch / CUDA that the compiled variant does not serve);
-* ``torch-stable-abi210-cu<XY>-x86_64-linux``  the compiled CUDA library + the Python package
-  (see ``kerneltools.cuda_build``).
-
-Each variant is a flat folder: the package's ``*.py`` files, a generated ``_ops.py`` and ``metadata.json``.
+``build.toml`` (kernel-builder edition 5) is the one place for the kernel's name, version, license, backends,
+CUDA capabilities and Hub repository (``[general.hub] repo-id``): the builder, the publisher, the demo and the
+transformers integration all read it through :func:`read_config` / :func:`hub_repo_id`.
 """
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
-import os
 import shutil
 import subprocess
-import sys
 import tomllib
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 BUILDER_NAME = "kerneltools"
 BUILDER_VERSION = "0.1.0"
 
-NOARCH_BACKENDS = {"cpu": "cpu", "cuda": "triton"}  # variant backend -> ops-id tag
+# The kernel repository this tooling lives in (kerneltools/build/config.py -> the repository root).
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class BuildError(RuntimeError):
@@ -35,7 +28,7 @@ class BuildError(RuntimeError):
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """The parts of build.toml the builder uses."""
+    """The parts of build.toml the tooling uses."""
 
     root: Path
     name: str
@@ -57,17 +50,32 @@ class KernelConfig:
         return self.root / "torch-ext" / self.python_name
 
 
-def read_config(root: Path) -> KernelConfig:
+# --- build.toml ----------------------------------------------------------------------------------------------
+#
+# Nothing here imports huggingface_hub or kernels: both read HF_ENDPOINT when first imported, and the demo builds
+# before it points them at its loopback Hub. build.toml's kernel-builder rules are checked in the tests with
+# kernels' own parser (tests/tools/test_build_config.py); the repo id is validated where a Hub is talked to
+# (kerneltools.publish, with validate_repo_id).
+
+
+def _load_toml(root: Path) -> dict:
     path = root / "build.toml"
     if not path.is_file():
         raise BuildError(f"No build.toml in {root}: run the builder from the kernel repository root (or pass --root).")
-    with path.open("rb") as f:
-        data = tomllib.load(f)
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise BuildError(f"{path} is not valid TOML: {e}. Fix the file and retry.") from None
+
+
+def read_config(root: Path) -> KernelConfig:
+    data = _load_toml(root)
     general = data.get("general", {})
     torch_cfg = data.get("torch", {})
     cuda_caps: list[str] = []
     cuda_src: list[str] = []
-    for kname, kernel in data.get("kernel", {}).items():
+    for kernel in data.get("kernel", {}).values():
         if kernel.get("backend") == "cuda":
             cuda_caps.extend(kernel.get("cuda-capabilities", []))
             cuda_src.extend(kernel.get("src", []))
@@ -82,10 +90,50 @@ def read_config(root: Path) -> KernelConfig:
             cuda_sources=tuple(cuda_src),
             torch_sources=tuple(torch_cfg.get("src", [])),
             stable_abi_cuda=torch_cfg.get("stable-abi", {}).get("cuda"),
-            repo_id=general.get("hub", {}).get("repo-id"),
+            repo_id=toml_repo_id(data),
         )
     except KeyError as e:
         raise BuildError(f"build.toml: [general] lacks the required key {e.args[0]!r}.") from None
+
+
+# --- the repo id ---------------------------------------------------------------------------------------------
+
+
+def toml_repo_id(data: dict) -> str | None:
+    """``[general.hub] repo-id`` of a parsed build.toml (None when it has none)."""
+    return ((data.get("general") or {}).get("hub") or {}).get("repo-id")
+
+
+def hub_repo_id(root: Path = REPO_ROOT) -> str:
+    """build.toml's ``[general.hub] repo-id``: where this kernel is published and loaded from."""
+    if not (root / "build.toml").is_file():
+        raise BuildError(f"No build.toml in {root}: kerneltools reads the kernel's repo id from the build.toml of the "
+                         "repository it lives in. Install it from a checkout (pip install -e .) or run it there.")
+    repo_id = read_config(root).repo_id
+    if not repo_id:
+        raise BuildError(f"{root / 'build.toml'} has no repo-id under [general.hub]: add one, e.g. "
+                         'repo-id = "geglu-kernels/geglu".')
+    return repo_id
+
+
+def hub_org(root: Path = REPO_ROOT) -> str:
+    """The organization of :func:`hub_repo_id` (the publisher the loopback Hub trusts by default)."""
+    return hub_repo_id(root).split("/", 1)[0]
+
+
+def validate_repo_id(repo_id: str) -> str:
+    """``repo_id`` when it is a valid ``ORG/NAME`` Hub repository id (huggingface_hub's rules), else ValueError."""
+    from huggingface_hub.utils import HFValidationError
+    from huggingface_hub.utils import validate_repo_id as hf_validate
+
+    expected = "expected ORG/NAME, e.g. geglu-kernels/geglu"
+    if not isinstance(repo_id, str) or repo_id.count("/") != 1:
+        raise ValueError(f"Invalid repo id {repo_id!r}: {expected}.")
+    try:
+        hf_validate(repo_id)
+    except HFValidationError as e:
+        raise ValueError(f"Invalid repo id {repo_id!r}: {str(e).rstrip('.')} ({expected}).") from None
+    return repo_id
 
 
 # --- source identity -----------------------------------------------------------------------------------------
@@ -127,6 +175,7 @@ def source_id(root: Path) -> SourceId:
 
 
 def ops_id(cfg: KernelConfig, tag: str, sid: SourceId) -> str:
+    """The variant's ops namespace and module name: ``_<name>_<tag>_<unique id>``, as kernel-builder names it."""
     return f"_{cfg.python_name}_{tag}_{sid.unique_id}"
 
 
@@ -134,6 +183,7 @@ def ops_id(cfg: KernelConfig, tag: str, sid: SourceId) -> str:
 
 
 def ops_py(ops_name: str, *, load_library: bool) -> str:
+    """The generated ``_ops.py`` (kernel-builder's contract: ``ops`` and ``add_op_namespace_prefix``)."""
     lines = ["import torch", ""]
     if load_library:
         lines += [f"from . import {ops_name}  # noqa: F401  (loads {ops_name}.abi3.so, which registers the ops)", ""]
@@ -151,22 +201,32 @@ def ops_py(ops_name: str, *, load_library: bool) -> str:
 
 
 def python_files(cfg: KernelConfig) -> list[Path]:
+    """The package's ``*.py`` files every variant ships (the generated ``_ops.py`` aside)."""
     pkg = cfg.package_dir
     if not (pkg / "__init__.py").is_file():
         raise BuildError(f"{pkg}/__init__.py is missing: the kernel package must live in torch-ext/{cfg.python_name}/.")
     return sorted(p for p in pkg.glob("*.py") if p.name != "_ops.py")
 
 
-def file_digest(variant_dir: Path) -> dict:
-    """sha256 of each file of the variant (base64), metadata.json excluded, as kernel-builder's digest hook."""
-    files = {}
-    for p in sorted(variant_dir.rglob("*")):
-        if p.is_file() and p.name != "metadata.json" and "__pycache__" not in p.parts:
-            files[p.relative_to(variant_dir).as_posix()] = base64.b64encode(hashlib.sha256(p.read_bytes()).digest()).decode()
-    return {"algorithm": "sha256", "files": files}
+def fresh_dir(path: Path) -> None:
+    """An empty folder at ``path`` (what was there is removed)."""
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+
+
+def variant_digest(variant_dir: Path) -> dict:
+    """metadata.json's ``digest``: kernels-data's own variant hash (sha256, base64, per file; it skips
+    metadata.json, ``__pycache__`` and ``*.pyc``), files in path order."""
+    from kernels_data import Digest, DigestAlgorithm
+
+    digest = Digest.hash_variant(DigestAlgorithm.SHA256, variant_dir)
+    files = dict(sorted(digest.files.items(), key=lambda kv: PurePosixPath(kv[0]).parts))
+    return {"algorithm": str(digest.algorithm), "files": files}
 
 
 def write_metadata(variant_dir: Path, cfg: KernelConfig, sid: SourceId, ops_name: str, backend: dict) -> dict:
+    """Write ``metadata.json`` last (its digest covers every other file of the variant) and return it."""
     meta = {
         "name": cfg.name,
         "id": ops_name,
@@ -174,7 +234,7 @@ def write_metadata(variant_dir: Path, cfg: KernelConfig, sid: SourceId, ops_name
         "license": cfg.license,
         "python-depends": [],
         "backend": backend,
-        "digest": file_digest(variant_dir),
+        "digest": variant_digest(variant_dir),
         # kernels' strict parser rejects null: `commit` must be a 40/64-hex git id given together with `dirty`,
         # so the builder (no git id of its own) states its version only, and `kernel` is left out outside git.
         "provenance": {"kernel-builder": {"version": f"{BUILDER_NAME}-{BUILDER_VERSION}"}},
@@ -183,71 +243,3 @@ def write_metadata(variant_dir: Path, cfg: KernelConfig, sid: SourceId, ops_name
         meta["provenance"]["kernel"] = {"commit": sid.commit, "dirty": sid.dirty}
     (variant_dir / "metadata.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
-
-
-def _fresh_dir(path: Path) -> None:
-    if path.exists():
-        shutil.rmtree(path)
-    path.mkdir(parents=True)
-
-
-def build_noarch(cfg: KernelConfig, out_root: Path, backend: str, sid: SourceId | None = None) -> Path:
-    """Write ``build/torch-<backend>/`` (``cpu`` or ``cuda``) and return it."""
-    sid = sid or source_id(cfg.root)
-    tag = NOARCH_BACKENDS[backend]
-    name = ops_id(cfg, tag, sid)
-    variant = out_root / f"torch-{backend}"
-    _fresh_dir(variant)
-    for p in python_files(cfg):
-        shutil.copy2(p, variant / p.name)
-    (variant / "_ops.py").write_text(ops_py(name, load_library=False))
-    backend_meta = {"type": backend}
-    if backend == "cuda" and cfg.cuda_capabilities:
-        backend_meta["archs"] = sorted(cfg.cuda_capabilities, key=lambda c: tuple(int(x) for x in c.split(".")))
-    write_metadata(variant, cfg, sid, name, backend_meta)
-    return variant
-
-
-def build(root: Path, out_root: Path | None = None, *, variants: list[str] | None = None,
-          capability: str | None = None, log=print) -> list[Path]:
-    """Build the requested variants (default: every one build.toml asks for) into ``out_root``."""
-    root = root.resolve()
-    cfg = read_config(root)
-    out_root = (out_root or root / "build").resolve()
-    out_root.mkdir(parents=True, exist_ok=True)
-    sid = source_id(root)
-    wanted = variants or ["cpu", "cuda", "cuda-compiled"]
-    built = []
-    for v in wanted:
-        if v in ("cpu", "cuda"):
-            if v not in cfg.backends:
-                raise BuildError(f"build.toml's backends {list(cfg.backends)} do not include {v!r}.")
-            built.append(build_noarch(cfg, out_root, v, sid))
-            log(f"built {built[-1].relative_to(out_root.parent) if out_root.parent in built[-1].parents else built[-1]}")
-        elif v == "cuda-compiled":
-            from . import cuda_build  # compiled variant: nvcc + torch stable ABI
-
-            built.append(cuda_build.build_compiled(cfg, out_root, sid, capability=capability, log=log))
-        else:
-            raise BuildError(f"Unknown variant {v!r}: expected one of cpu, cuda, cuda-compiled.")
-    return built
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("build", help="build the build/<variant>/ tree (like kernel-builder build-and-copy)")
-    p.add_argument("--root", type=Path, default=Path("."), help="kernel repository root (has build.toml)")
-    p.add_argument("--out", type=Path, default=None, help="output folder (default: <root>/build)")
-    p.add_argument("--variant", action="append", choices=["cpu", "cuda", "cuda-compiled"],
-                   help="variant(s) to build (default: all)")
-    p.add_argument("--capability", default=None,
-                   help="compile for this one CUDA capability (e.g. 9.0) instead of build.toml's list")
-    p.set_defaults(_main=main)
-
-
-def main(args) -> int:
-    try:
-        build(args.root, args.out, variants=args.variant, capability=args.capability)
-    except BuildError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0

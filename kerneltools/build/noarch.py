@@ -1,0 +1,31 @@
+"""The noarch variants ``torch-cpu`` (the CPU implementation) and ``torch-cuda`` (Triton kernels only, for any
+torch / CUDA that the compiled variant does not serve): the package's files, ``_ops.py`` and ``metadata.json``."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from .config import KernelConfig, SourceId, fresh_dir, ops_id, ops_py, python_files, source_id, write_metadata
+
+NOARCH_BACKENDS = {"cpu": "cpu", "cuda": "triton"}  # variant backend -> ops-id tag
+
+
+def _capability_key(cap: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in cap.split("."))
+
+
+def build_noarch(cfg: KernelConfig, out_root: Path, backend: str, sid: SourceId | None = None) -> Path:
+    """Write ``out_root/torch-<backend>/`` (``cpu`` or ``cuda``) and return it."""
+    sid = sid or source_id(cfg.root)
+    name = ops_id(cfg, NOARCH_BACKENDS[backend], sid)
+    variant = out_root / f"torch-{backend}"
+    fresh_dir(variant)
+    for p in python_files(cfg):
+        shutil.copy2(p, variant / p.name)
+    (variant / "_ops.py").write_text(ops_py(name, load_library=False))
+    backend_meta: dict = {"type": backend}
+    if backend == "cuda" and cfg.cuda_capabilities:
+        backend_meta["archs"] = sorted(cfg.cuda_capabilities, key=_capability_key)
+    write_metadata(variant, cfg, sid, name, backend_meta)
+    return variant
