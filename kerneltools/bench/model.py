@@ -349,6 +349,23 @@ def _category(name: str) -> str:
     return "other"
 
 
+def _idle_ms(spans: list) -> float | None:
+    """GPU idle time between the first kernel's start and the last one's end (the union of the kernels' intervals
+    subtracted): where the host did not keep the GPU fed."""
+    if not spans:
+        return None
+    spans.sort()
+    busy, (cur_s, cur_e) = 0.0, spans[0]
+    for s, e in spans[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    return round((spans[-1][1] - spans[0][0] - busy) / 1e3, 2) if spans else None
+
+
 def _autograd_nodes(t) -> dict:
     """Names of the autograd nodes behind ``t`` (counts): shows which training path ran."""
     seen, stack, counts = set(), [t.grad_fn], {}
@@ -389,14 +406,15 @@ def profile_part(s: Setup, part: str, modes: list, batch: int | None = None) -> 
             with profile(activities=acts) as prof:
                 fn(m)
                 _sync(s)
-        cats, kernels_ = {}, {}
+        cats, kernels_, spans = {}, {}, []
         for e in prof.events():
             if e.device_type != torch.autograd.DeviceType.CUDA:
                 continue
             cats[_category(e.name)] = cats.get(_category(e.name), 0.0) + e.device_time
             kernels_[e.name] = kernels_.get(e.name, 0.0) + e.device_time
+            spans.append((e.time_range.start, e.time_range.end))
         top = sorted(kernels_.items(), key=lambda kv: -kv[1])[:8]
-        out[mode] = dict(gpu_ms=round(sum(cats.values()) / 1e3, 2),
+        out[mode] = dict(gpu_ms=round(sum(cats.values()) / 1e3, 2), idle_ms=_idle_ms(spans),
                          categories={k: round(v / 1e3, 2) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
                          top=[(k[:90], round(v / 1e3, 2)) for k, v in top], autograd_nodes=nodes)
     for m in s.models.values():
@@ -457,7 +475,8 @@ def run_model(name: str, build_dir: Path, *, parts: list, modes: list, rounds: i
                 res["rows"][-1]["profile"] = profile_part(s, part, modes)
         if profile:
             for mode, p in res["rows"][-1]["profile"].items():
-                log(f"  profile {res['rows'][-1]['part']} {mode}: GPU {p['gpu_ms']} ms {p['categories']}"
+                log(f"  profile {res['rows'][-1]['part']} {mode}: GPU {p['gpu_ms']} ms, idle {p['idle_ms']} ms "
+                    f"{p['categories']}"
                     + (f" nodes {p['autograd_nodes']}" if p["autograd_nodes"] else ""))
     if graph_lengths and any("compile" in m for m in modes):
         res["graphs"] = count_graphs(s, graph_lengths, graph_backend)
