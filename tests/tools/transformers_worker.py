@@ -703,6 +703,7 @@ def check_experts_compile(mod, ref, inputs, calls, train, fullgraph):
 def check_moe_cuda(calls, packed, work, kernelize, Mode):
     """The MoE checks on the GPU, in bf16, with deterministic algorithms (transformers' experts accumulate with
     index_add_ / index backward, which are atomic, so not reproducible, on CUDA otherwise)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS reads it when its first handle is made
     import torch
 
     torch.use_deterministic_algorithms(True, warn_only=True)
