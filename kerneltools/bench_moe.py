@@ -215,11 +215,11 @@ def run(build_dir: Path, *, quick: bool = False, rounds: int = 3, device: str | 
                         row["packed_calls"] = packed
                     if step == "gate":
                         moved = (S * 2 * I + S * I) * x.element_size()
-                        row["gbs"] = round(moved / (t * 1e-6) / 1e9, 3)
-                        row["pct_floor"] = round(100 * row["gbs"] / floor, 2)
+                        gbs = moved / (t * 1e-6) / 1e9
+                        row["gbs"], row["pct_floor"] = gbs, 100 * gbs / floor  # rounded in the markdown
                     rows.append(row)
                     log(f"{label} {step} {name}: {t:.1f} us ({row['vs_eager']:.3f}x eager"
-                        + (f", {row['pct_floor']}% of floor" if step == "gate" else "") + f"), equal={row['equal']}")
+                        + (f", {row['pct_floor']:.1f}% of floor" if step == "gate" else "") + f"), equal={row['equal']}")
     result = dict(meta=_meta(torch, device, floor, shape, rounds, compile_backend), checks=checks, rows=rows)
     return result, to_markdown(result)
 
@@ -228,7 +228,7 @@ def _meta(torch, device, floor, shape, rounds, compile_backend) -> dict:
     from kerneltools.bench import _git_commit
 
     meta = dict(device=torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
-                torch=torch.__version__, python=platform.python_version(), copy_floor_gbs=round(floor, 1),
+                torch=torch.__version__, python=platform.python_version(), copy_floor_gbs=floor,
                 shape=asdict(shape), rounds=rounds, compile_backend=compile_backend,
                 date=_dt.date.today().isoformat(), commit=_git_commit(Path(__file__).resolve().parents[1]))
     try:
@@ -245,7 +245,7 @@ def to_markdown(result: dict) -> str:
     lines = [f"# Gemma 4 MoE experts on {m['device']}", "",
              f"{m['date']}, commit {m['commit']}, torch {m['torch']}; {s['source']}: hidden {s['hidden']}, "
              f"{s['experts']} experts, top-{s['top_k']}, moe_intermediate_size {s['intermediate']}, bf16, "
-             f"gelu_pytorch_tanh, experts implementation grouped_mm. Copy floor {m['copy_floor_gbs']} GB/s measured "
+             f"gelu_pytorch_tanh, experts implementation grouped_mm. Copy floor {m['copy_floor_gbs']:.0f} GB/s measured "
              f"in the same run; medians over {m['rounds']} interleaved rounds; torch.compile backend "
              f"{m['compile_backend'] or '(not run)'}. gate: transformers' _apply_gate on [S, 2I] -> [S, I] (% of the copy floor: "
              "read 2I, write I per row); block: the whole experts forward. '/ eager': median of the per-round "
@@ -253,7 +253,7 @@ def to_markdown(result: dict) -> str:
              "| tokens | rows S | step | impl | µs | / eager | % of copy floor | equal |",
              "|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        pct = r.get("pct_floor", "—")
+        pct = f"{r['pct_floor']:.1f}" if "pct_floor" in r else "—"
         lines.append(f"| {r['label']} | {r['rows']} | {r['step']} | {r['impl']} | {r['us']} | {r['vs_eager']} | "
                      f"{pct} | {'yes' if r['equal'] else 'no'} |")
     return "\n".join(lines) + "\n"
