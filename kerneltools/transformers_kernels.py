@@ -23,6 +23,13 @@ It does three things:
 3. :data:`GEGLU_CLASSES`, the table of every GeGLU class of transformers 5.22.2 with its status (docs and tests
    read it).
 
+MoE experts (``Gemma4TextExperts``, ``DiffusionGemmaTextExperts``) keep transformers' ``@use_experts_implementation``
+dispatch. Their ``_apply_gate``, which the grouped_mm and batched_mm implementations call between the two grouped
+GEMMs, becomes a call of a gate layer (:class:`ExpertsGate`, the layer kernels makes of a function, around
+:func:`experts_gate`), one per experts module, mapped to the hub layer ``GeGLUExpertsGate``; the class itself gets the layer
+``GeGLUExperts``, which runs the eager implementation's loop with the packed gate and calls the class's own
+forward (the dispatch) for every other implementation. docs/transformers.md says why.
+
 The keys are ``"geglu.<Layer>"``, not the bare layer names: transformers' own default mapping, which
 ``from_pretrained(use_kernels=True)`` and ``set_use_kernels`` register again on every call, has a ``"GeGLUMLP"``
 entry for cuda pointing at Liger's tanh-only GEGLU kernels. It would replace ours under that key, and these classes
@@ -40,6 +47,8 @@ import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
+
+import torch
 
 from .build.config import hub_repo_id
 
@@ -67,6 +76,7 @@ class HostClass:
     activation: str  # the activation the class gets from a default config
     note: str = ""
     act_attr: str | None = None  # attribute of the host that holds its activation module
+    gate_layer: str | None = None  # MoE experts: the function layer for their _apply_gate (see _attach_experts_gate)
 
     @property
     def module(self) -> str:
@@ -77,6 +87,11 @@ class HostClass:
         """The kernelize key (``kernel_layer_name``) the class gets."""
         return KEY_PREFIX + self.layer if self.layer else None
 
+    @property
+    def gate_key(self) -> str | None:
+        """The kernelize key of the experts' gate function layer (MoE experts only)."""
+        return KEY_PREFIX + self.gate_layer if self.gate_layer else None
+
     def load(self) -> type | None:
         """The class from the installed transformers, or None when it has no such module or class."""
         try:
@@ -86,13 +101,19 @@ class HostClass:
         return getattr(mod, self.name, None)
 
 
-def _a(model, name, activation="gelu_pytorch_tanh", note="", layer="GeGLUMLP", status=SUPPORTED, act_attr="act_fn"):
-    return HostClass(model, name, layer, status, activation, note, act_attr)
+def _a(model, name, activation="gelu_pytorch_tanh", note="", layer="GeGLUMLP", status=SUPPORTED, act_attr="act_fn",
+       gate_layer=None):
+    return HostClass(model, name, layer, status, activation, note, act_attr, gate_layer)
 
 
 _T5_NOTE = "{} with its cast to wo.weight.dtype (T5 keeps wo in fp32)"
 _STRIDED_NOTE = ("CPU: not bit-exact (about 1e-7 relative: eager's CPU erf-GELU rounds differently on the strided "
                  "chunk views), GPU: bit-exact")
+
+_EXPERTS_NOTE = ("MoE experts, every experts implementation (grouped_mm, batched_mm: their _apply_gate runs the "
+                 "function layer GeGLUExpertsGate; eager: GeGLUExperts runs its per-expert loop with the packed "
+                 "gate); CPU: bit-exact with gelu_pytorch_tanh and moe_intermediate_size a multiple of 32 (704 in "
+                 "Gemma 4 26B-A4B), else about 1e-7 relative (strided chunk views), GPU: bit-exact")
 
 GEGLU_CLASSES: tuple[HostClass, ...] = (
     # down_proj(act_fn(gate_proj(x)) * up_proj(x))
@@ -148,12 +169,12 @@ GEGLU_CLASSES: tuple[HostClass, ...] = (
        note="activation on the second half: h * act(gate); " + _STRIDED_NOTE),
     _a("cpmant", "CpmAntDenseGatedACT", activation="gelu (fixed nn.GELU())", layer="CpmAntGeGLU", act_attr="act",
        note="the gated activation only; w_out is applied by the caller"),
-    # not supported
-    _a("gemma4", "Gemma4TextExperts", layer=None, status=NOT_SUPPORTED,
-       note="MoE experts (3-D weights, routed loop) dispatched by transformers' @use_experts_implementation "
-            "(grouped_mm, batched_mm); replacing its forward would bypass that"),
-    _a("diffusion_gemma", "DiffusionGemmaTextExperts", layer=None, status=NOT_SUPPORTED,
+    # MoE experts: transformers' @use_experts_implementation dispatch stays; the gate between the grouped GEMMs
+    # is a function layer (GeGLUExpertsGate), the eager loop the class layer (GeGLUExperts)
+    _a("gemma4", "Gemma4TextExperts", layer="GeGLUExperts", gate_layer="GeGLUExpertsGate", note=_EXPERTS_NOTE),
+    _a("diffusion_gemma", "DiffusionGemmaTextExperts", layer="GeGLUExperts", gate_layer="GeGLUExpertsGate",
        note="MoE experts, as Gemma4TextExperts"),
+    # not supported
     _a("pop2piano", "Pop2PianoDenseGatedActDense", activation="relu", layer=None, status=NOT_SUPPORTED,
        act_attr="act", note="gated ReLU: dense_act_fn defaults to relu even with feed_forward_proj='gated-gelu'"),
     _a("moshi", "MoshiGatingMLP", activation="silu", layer=None, status=NOT_SUPPORTED, act_attr="activation_fn",
@@ -180,6 +201,70 @@ def _gelu_condition(act_attr: str):
 
     condition.__qualname__ = f"geglu_condition[{act_attr}]"
     return condition
+
+
+def experts_gate(act_fn, gate_up):
+    """The gate of transformers' experts classes as transformers computes it (its default ``_apply_gate``):
+    ``act_fn(gate) * up`` of ``gate, up = gate_up.chunk(2, -1)``. Registered experts classes call it through their
+    :class:`ExpertsGate` layer, whose forward kernelize replaces with the hub layer ``GeGLUExpertsGate``;
+    unkernelized, it runs these ops."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return act_fn(gate) * up
+
+
+class ExpertsGate(torch.nn.Module):
+    """:func:`experts_gate` as a layer, one per experts module: what ``kernels.use_kernel_forward_from_hub`` makes
+    of a function (an ``nn.Module`` whose forward calls it), as a named class so that models still pickle (kernels'
+    own wrapper is a local class). ``register_geglu_kernels`` gives it the key ``geglu.GeGLUExpertsGate``."""
+
+    def forward(self, act_fn, gate_up):
+        return experts_gate(act_fn, gate_up)
+
+
+def _apply_gate_through(key: str):
+    def _apply_gate(self, gate_up):
+        funcs = getattr(self, "_kernel_funcs", None)
+        gate = funcs.get(key) if funcs is not None else None
+        if gate is None:  # a module built before register_geglu_kernels: it has no gate layer, and kernelize skips it
+            return experts_gate(self.act_fn, gate_up)
+        return gate(self.act_fn, gate_up)
+
+    _apply_gate.__qualname__ = f"geglu_apply_gate[{key}]"
+    return _apply_gate
+
+
+def _attach_experts_gate(cls: type, key: str) -> None:
+    """Route ``cls._apply_gate`` (transformers' grouped_mm / batched_mm experts call it between the two grouped
+    GEMMs) through an :class:`ExpertsGate` layer under ``key``, one per experts module.
+
+    kernels' ``use_kernelized_func`` would attach a single function-layer instance to every module of the class,
+    so kernelize of one model would switch the gate of every model in the process (and a deep copy would get its
+    own unswapped instance). Here each module gets its own gate layer at construction, in ``_kernel_funcs`` (where
+    ``use_kernelized_func`` puts function layers and kernelize looks for them): kernelize swaps the gates of the
+    model it is given, as it does for the class layers. Modules built before this call have none and keep
+    transformers' gate. Idempotent."""
+    import functools
+
+    from kernels import replace_kernel_forward_from_hub
+
+    replace_kernel_forward_from_hub(ExpertsGate, key)
+    if getattr(cls.__init__, "_geglu_gate", None) == key:
+        return
+    moe = importlib.import_module("transformers.integrations.moe")
+    if getattr(cls, "_apply_gate", None) is not getattr(moe, "_default_apply_gate", None):
+        raise TypeError(f"register_geglu_kernels: {cls.__module__}.{cls.__name__}._apply_gate is not transformers' "
+                        "default gate (chunk, act_fn(gate) * up), so the GeGLU gate layer cannot stand in for it. "
+                        "Remove the class from GEGLU_CLASSES or give it a layer that computes its gate.")
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.__dict__.setdefault("_kernel_funcs", {})[key] = ExpertsGate()
+
+    __init__._geglu_gate = key
+    cls.__init__ = __init__
+    cls._apply_gate = _apply_gate_through(key)
 
 
 @dataclass
@@ -225,7 +310,8 @@ def register_geglu_kernels(repo_id: str = DEFAULT_REPO_ID, *, version: int | Non
     Mode.TRAINING | Mode.TORCH_COMPILE (the layers have a backward and compile with ``fullgraph=True``).
 
     A module whose activation is not a GELU the kernel computes (e.g. ``hidden_act="relu"``) is skipped by
-    kernelize and keeps its own forward. Calling this again re-registers: the classes keep their keys and each
+    kernelize and keeps its own forward. MoE experts classes also get their gate function layer (key
+    ``geglu.GeGLUExpertsGate``, in the mapping too); experts modules built before this call have none. Calling this again re-registers: the classes keep their keys and each
     key's entry for a device is replaced as a whole (kernels replaces the mode table of an identical device entry).
 
     Returns:
@@ -253,6 +339,15 @@ def register_geglu_kernels(repo_id: str = DEFAULT_REPO_ID, *, version: int | Non
             repos[host.layer] = _repository(repo_id, host.layer, version=version, revision=revision,
                                             lockfile=lockfile, trust_remote_code=trust_remote_code)
         reg.mapping[host.key] = {device: {mode: repos[host.layer] for mode in modes} for device in devices}
+    for host in GEGLU_CLASSES:  # MoE experts: the gate between their grouped GEMMs, a function layer per module
+        cls = reg.classes.get(f"{host.module}.{host.name}")
+        if host.gate_layer is None or cls is None:
+            continue
+        _attach_experts_gate(cls, host.gate_key)
+        if host.gate_layer not in repos:
+            repos[host.gate_layer] = _repository(repo_id, host.gate_layer, version=version, revision=revision,
+                                                 lockfile=lockfile, trust_remote_code=trust_remote_code)
+        reg.mapping[host.gate_key] = {device: {mode: repos[host.gate_layer] for mode in modes} for device in devices}
     if register:
         register_kernel_mapping(reg.mapping)
         # kernelize warns "No kernel mapping found for layer X" for every module of a hub layer name that has no
@@ -295,18 +390,20 @@ def geglu_kernel_config(model: Any, repo_id: str = DEFAULT_REPO_ID, *, version: 
 
     register_geglu_kernels(repo_id, version=version, revision=revision, trust_remote_code=trust_remote_code,
                            register=False)
+    layer_of = {h.key: h.layer for h in GEGLU_CLASSES if h.layer}
+    layer_of.update({h.gate_key: h.gate_layer for h in GEGLU_CLASSES if h.gate_layer})  # MoE experts' gate
     if isinstance(model, type):
-        keys = {h.key for h in GEGLU_CLASSES if h.layer and h.module == model.__module__}
+        keys = {k for h in GEGLU_CLASSES if h.layer and h.module == model.__module__ for k in (h.key, h.gate_key) if k}
     else:
         keys = {getattr(type(m), "kernel_layer_name", None) for m in model.modules()}
-        keys &= {h.key for h in GEGLU_CLASSES if h.layer}
+        keys |= {k for m in model.modules() for k in (getattr(m, "_kernel_funcs", None) or {})}  # function layers
+        keys &= set(layer_of)
     if not keys:
         where = model.__module__ if isinstance(model, type) else type(model).__name__
         raise ValueError(f"geglu_kernel_config: no supported GeGLU class in {where}. For a composite model (e.g. "
                          "PaliGemma) pass the loaded model instead of its class; see GEGLU_CLASSES for the list.")
     meta = {"version": version} if revision is None else {"revision": revision}
     meta["trust_remote_code"] = trust_remote_code
-    layer_of = {h.key: h.layer for h in GEGLU_CLASSES if h.layer}
     return KernelConfig({key: (f"{repo_id}:{layer_of[key]}", dict(meta)) for key in sorted(keys)},
                         inherit_mapping=inherit_mapping)
 
@@ -316,9 +413,11 @@ def classes_markdown() -> str:
     lines = ["| model | class | status | default activation | hub layer | notes |", "|---|---|---|---|---|---|"]
     for h in GEGLU_CLASSES:
         layer = f"`{h.layer}`" if h.layer else "–"
+        if h.gate_layer:
+            layer += f" + `{h.gate_layer}`"
         lines.append(f"| {h.model} | `{h.name}` | {h.status} | {h.activation} | {layer} | {h.note} |")
     return "\n".join(lines) + "\n"
 
 
 __all__ = ["register_geglu_kernels", "geglu_kernel_config", "GEGLU_CLASSES", "HostClass", "GeGLURegistration",
-           "is_kernel_gelu", "classes_markdown", "DEFAULT_REPO_ID", "KEY_PREFIX"]
+           "is_kernel_gelu", "classes_markdown", "experts_gate", "ExpertsGate", "DEFAULT_REPO_ID", "KEY_PREFIX"]

@@ -117,6 +117,34 @@ MODULES = {
 }
 
 
+# MoE (Gemma 4 with its MoE block, DiffusionGemma's encoder): moe_intermediate_size 64, a multiple of 32 (as Gemma 4
+# 26B-A4B's 704): eager's CPU kernels round the last (width mod 32) elements of each strided chunk row like the
+# contiguous tensors the kernel computes on only then (the test module says more).
+MOE = dict(L, num_experts=4, top_k_experts=2, moe_intermediate_size=64, sliding_window=16,
+           layer_types=["sliding_attention", "full_attention"])
+GEMMA4_MOE = dict(MOE, enable_moe_block=True, hidden_size_per_layer_input=0)
+# Whole models: (config class, model class, config kwargs, host experts class, kind). kind: causal (logits, loss
+# from labels, generate) or encoder (last hidden state; the loss is a fixed random projection of it).
+MOE_FAMILIES = {
+    "gemma4_moe": ("Gemma4TextConfig", "Gemma4ForCausalLM", GEMMA4_MOE, "Gemma4TextExperts", "causal"),
+    "gemma4_moe_erf": ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(GEMMA4_MOE, hidden_activation="gelu"),
+                       "Gemma4TextExperts", "causal"),
+    "diffusion_gemma_encoder": ("DiffusionGemmaTextConfig", "DiffusionGemmaEncoderTextModel", MOE,
+                                "DiffusionGemmaTextExperts", "encoder"),
+}
+# A MoE model whose activation is not a GELU: the experts keep their forward, and the gate layer runs the host's math.
+MOE_NON_GELU = {"gemma4_moe_silu": ("gemma4_moe", dict(hidden_activation="silu"))}
+EXPERTS_IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
+# Experts modules alone: (config class, config kwargs, dtype). torch.compile is checked on the bf16 ones: in fp32
+# transformers' grouped_mm takes its fallback op under torch.compile, which does not compile for the host either.
+EXPERTS_MODULES = {
+    "Gemma4TextExperts": ("Gemma4TextConfig", GEMMA4_MOE, "float32"),
+    "Gemma4TextExperts[bf16]": ("Gemma4TextConfig", GEMMA4_MOE, "bfloat16"),
+    "DiffusionGemmaTextExperts": ("DiffusionGemmaTextConfig", MOE, "float32"),
+    "DiffusionGemmaTextExperts[bf16]": ("DiffusionGemmaTextConfig", MOE, "bfloat16"),
+}
+
+
 def host_name(module_key: str) -> str:
     return module_key.split("[")[0]
 
@@ -153,6 +181,26 @@ class Calls:
         out = {"fwd": self.fwd, "bwd": self.bwd}
         self.reset()
         return out
+
+
+class PackedCalls:
+    """Counts calls of the packed kernel function (``geglu_packed``) made by the loaded kernel's hub layers: the
+    experts' gate calls it for a GELU (the dense MLP layers call ``gated``/``geglu``, so they do not count here).
+    Works on every device (Calls counts the CPU implementation only)."""
+
+    def __init__(self, layers):
+        self.n = 0
+        inner = layers.geglu_packed
+
+        def counted(*a, **k):
+            self.n += 1
+            return inner(*a, **k)
+
+        layers.geglu_packed = counted
+
+    def take(self) -> int:
+        n, self.n = self.n, 0
+        return n
 
 
 def compare(a, b):
@@ -398,6 +446,279 @@ def check_module(key, calls, kernelize, Mode, compile_train=False):
     return res
 
 
+GATE_KEY = "geglu.GeGLUExpertsGate"
+
+
+def gate_name(experts) -> str:
+    """The forward of an experts module's gate function layer."""
+    return forward_name(experts._kernel_funcs[GATE_KEY])
+
+
+def build_moe(name, overrides=None, save_dir=None):
+    import torch
+    import transformers
+
+    cfg_name, model_name, kwargs, host, kind = MOE_FAMILIES[name]
+    config = getattr(transformers, cfg_name)(**dict(kwargs, **(overrides or {})))
+    model_cls = getattr(transformers, model_name)
+    torch.manual_seed(0)
+    ref = model_cls(config).eval()
+    if save_dir is None:
+        return ref, copy.deepcopy(ref)
+    ref.save_pretrained(save_dir)
+    assert (Path(save_dir) / "model.safetensors").is_file(), os.listdir(save_dir)
+    return ref, model_cls.from_pretrained(save_dir).eval()
+
+
+class ExpertsHits:
+    """Per call of an experts module, the number of distinct experts its tokens went to: the eager loop runs the
+    gate once per such expert, the other implementations once per call."""
+
+    def __init__(self, model, host):
+        self.hits = []
+        for _, m in hosts_of(model, host):
+            m.register_forward_pre_hook(self._hook)
+
+    def _hook(self, module, args):
+        import torch
+
+        self.hits.append(int(torch.unique(args[1]).numel()))
+
+    def take(self, impl) -> int:
+        n = sum(self.hits) if impl == "eager" else len(self.hits)
+        self.hits = []
+        return n
+
+
+def moe_output(model, inputs, kind):
+    out = model(**inputs)
+    return out.logits if kind == "causal" else out.last_hidden_state
+
+
+def moe_loss(model, inputs, kind):
+    if kind == "causal":
+        return model(**inputs).loss
+    import torch
+
+    out = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).last_hidden_state
+    proj = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(out.device, out.dtype)
+    return (out * proj).sum()
+
+
+def _moe_inputs(kind, device, train=False):
+    inputs = inputs_for("causal", train=train and kind == "causal")
+    return {k: v.to(device) for k, v in inputs.items()}
+
+
+def check_moe_family(name, calls, packed, work, kernelize, Mode, device="cpu", dtype="float32", overrides=None,
+                     backend=None):
+    """A saved and reloaded MoE model, kernelized: per experts implementation, the output against the same model
+    unkernelized, greedy generate, and (Mode.TRAINING) the loss and every gradient; how often the packed kernel ran
+    against how often the gate runs (ExpertsHits). ``backend``: the kernel's backend for the training part (the
+    GPU run sets 'triton', so that tiny training steps run the kernel rather than PyTorch's ops)."""
+    import torch
+
+    calls.reset(), packed.take()
+    cfg_name, model_name, kwargs, host, kind = MOE_FAMILIES[name]
+    ref, model = build_moe(name, overrides, save_dir=work / f"model-{name}-{device}-{dtype}")
+    dt = getattr(torch, dtype)
+    ref.to(device, dt), model.to(device, dt)
+    res = {"impls": {impl: {} for impl in EXPERTS_IMPLEMENTATIONS}}
+    kernelize(model, mode=Mode.INFERENCE, device=device)
+    experts = [m for _, m in hosts_of(model, host)]
+    res["hosts"] = len(experts)
+    res["swapped"] = sum(forward_name(m) == "GeGLUExperts.forward" for m in experts)
+    res["gates_swapped"] = sum(gate_name(m) == "GeGLUExpertsGate.forward" for m in experts)
+    # kernelize swaps the gates of the model it is given only: the reference (same class) keeps its own
+    res["ref_gates_swapped"] = sum(gate_name(m) == "GeGLUExpertsGate.forward" for _, m in hosts_of(ref, host))
+    res["dense"] = sum(forward_name(m) == "GeGLUMLP.forward" for m in model.modules())
+    hits = ExpertsHits(model, host)
+    inputs = _moe_inputs(kind, device)
+    for impl, r in res["impls"].items():
+        model.set_experts_implementation(impl), ref.set_experts_implementation(impl)
+        r["config"] = model.config._experts_implementation
+        with torch.no_grad():
+            calls.reset(), packed.take(), hits.take(impl)
+            out = moe_output(model, inputs, kind)
+            r["forward_calls"] = dict(calls.take(), packed=packed.take(), gates=hits.take(impl))
+            r["forward"] = compare(out, moe_output(ref, inputs, kind))
+        if kind == "causal":
+            gen = dict(max_new_tokens=4, do_sample=False, num_beams=1)
+            ids = {k: v for k, v in inputs.items() if k in ("input_ids", "attention_mask")}
+            tokens = model.generate(**ids, **gen)
+            r["generate_calls"] = dict(calls.take(), packed=packed.take(), gates=hits.take(impl))
+            r["generate"] = {"tokens": tokens.tolist(), "ref_tokens": ref.generate(**ids, **gen).tolist()}
+
+    model.train(), ref.train()
+    kernelize(model, mode=Mode.TRAINING, device=device)
+    res["train_swapped"] = sum(forward_name(m) == "GeGLUExperts.forward" for m in experts)
+    tin = _moe_inputs(kind, device, train=True)
+    kernel = importlib.import_module(calls.namespace)
+    if backend:
+        kernel.set_backend(backend)
+    try:
+        for impl, r in res["impls"].items():
+            model.set_experts_implementation(impl), ref.set_experts_implementation(impl)
+            model.zero_grad(set_to_none=True), ref.zero_grad(set_to_none=True)
+            calls.reset(), packed.take(), hits.take(impl)
+            loss = moe_loss(model, tin, kind)
+            loss.backward()
+            r["train_calls"] = dict(calls.take(), packed=packed.take(), gates=hits.take(impl))
+            ref_loss = moe_loss(ref, tin, kind)
+            ref_loss.backward()
+            r["loss"] = compare(loss, ref_loss)
+            r["grads"] = compare_grads(model, ref)
+    finally:
+        kernel.set_backend("auto")
+    return res
+
+
+def check_moe_non_gelu(name, calls, packed, kernelize, Mode):
+    """A MoE model with a non-GELU activation: the experts keep their own forward; the gate layer is swapped (it
+    has no host to ask) and runs the host's math; the kernel never runs."""
+    import torch
+
+    calls.reset(), packed.take()
+    family, overrides = MOE_NON_GELU[name]
+    cfg_name, model_name, kwargs, host, kind = MOE_FAMILIES[family]
+    ref, model = build_moe(family, overrides)
+    kernelize(model, mode=Mode.INFERENCE, device="cpu")
+    experts = [m for _, m in hosts_of(model, host)]
+    res = {"hosts": len(experts), "own_forward": sum("forward" not in m.__dict__ for m in experts),
+           "gates_swapped": sum(gate_name(m) == "GeGLUExpertsGate.forward" for m in experts), "impls": {}}
+    inputs = _moe_inputs(kind, "cpu")
+    for impl in EXPERTS_IMPLEMENTATIONS:
+        model.set_experts_implementation(impl), ref.set_experts_implementation(impl)
+        with torch.no_grad():
+            out = moe_output(model, inputs, kind)
+            c = dict(calls.take(), packed=packed.take())
+            res["impls"][impl] = {"calls": c, "equal": bool(torch.equal(out, moe_output(ref, inputs, kind)))}
+    return res
+
+
+def _experts_inputs(config, device, dtype, tokens=12):
+    import torch
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(tokens, config.hidden_size, generator=g)
+    weights, index = torch.randn(tokens, config.num_experts, generator=g).softmax(-1).topk(config.top_k_experts, -1)
+    dy = torch.randn(tokens, config.hidden_size, generator=g)
+    return x.to(device, dtype), index.to(device), weights.to(device, dtype), dy.to(device, dtype)
+
+
+def _set_experts_implementation(impl, *modules):
+    for m in modules:
+        m.config._experts_implementation = impl
+
+
+def check_experts_module(key, calls, packed, kernelize, Mode, device="cpu", backend=None):
+    """An experts class alone, per experts implementation: Mode.TRAINING forward and backward against the same
+    module unkernelized (output, weight and input gradients, kernel calls); for bf16, torch.compile under
+    Mode.INFERENCE | TORCH_COMPILE and Mode.TRAINING | TORCH_COMPILE (fullgraph for grouped_mm and batched_mm; the
+    eager implementation's loop breaks the graph in the host too, so it is compiled without fullgraph). ``backend``: the kernel's backend for the whole check (as in check_moe_family)."""
+    kernel = importlib.import_module(calls.namespace)
+    if backend:
+        kernel.set_backend(backend)
+    try:
+        return _check_experts_module(key, calls, packed, kernelize, Mode, device)
+    finally:
+        kernel.set_backend("auto")
+
+
+def _check_experts_module(key, calls, packed, kernelize, Mode, device):
+    import torch
+    import transformers
+
+    from kerneltools.transformers_kernels import GEGLU_CLASSES
+
+    calls.reset(), packed.take()
+    cfg_name, kwargs, dtype = EXPERTS_MODULES[key]
+    dt = getattr(torch, dtype)
+    cls = next(h for h in GEGLU_CLASSES if h.name == host_name(key)).load()
+    config = getattr(transformers, cfg_name)(**kwargs)
+    torch.manual_seed(0)
+    ref = cls(config)
+    with torch.no_grad():  # the class allocates its weights with torch.empty; the model's _init_weights fills them
+        for p in ref.parameters():
+            p.normal_(0.0, 0.2)
+    ref.to(device, dt)
+    mod = copy.deepcopy(ref)
+    x, index, weights, dy = _experts_inputs(config, device, dt)
+    gates = {impl: (int(torch.unique(index).numel()) if impl == "eager" else 1) for impl in EXPERTS_IMPLEMENTATIONS}
+    kernelize(mod, mode=Mode.TRAINING, device=device)
+    res = {"forward_name": forward_name(mod), "gate_name": gate_name(mod), "gates": gates, "impls": {}}
+    for impl in EXPERTS_IMPLEMENTATIONS:
+        _set_experts_implementation(impl, mod, ref)
+        mod.zero_grad(set_to_none=True), ref.zero_grad(set_to_none=True)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        calls.reset(), packed.take()
+        y = mod(xa, index, weights)
+        y.backward(dy)
+        r = {"calls": dict(calls.take(), packed=packed.take())}
+        y_ref = ref(xb, index, weights)
+        y_ref.backward(dy)
+        r.update(forward=compare(y, y_ref), grads=compare_grads(mod, ref), input_grad=compare(xa.grad, xb.grad),
+                 dtypes=[str(y.dtype), str(y_ref.dtype)])
+        res["impls"][impl] = r
+    if dt == torch.bfloat16:
+        res["compile"] = {}
+        for train in (False, True):
+            mode = (Mode.TRAINING if train else Mode.INFERENCE) | Mode.TORCH_COMPILE
+            mod.train(train), ref.train(train)
+            kernelize(mod, mode=mode, device=device)
+            for impl in EXPERTS_IMPLEMENTATIONS:
+                _set_experts_implementation(impl, mod, ref)
+                c = check_experts_compile(mod, ref, (x, index, weights, dy), calls, train, fullgraph=impl != "eager")
+                res["compile"][f"{'train' if train else 'inference'}-{impl}"] = c
+    return res
+
+
+def check_experts_compile(mod, ref, inputs, calls, train, fullgraph):
+    """torch.compile of a kernelized experts module, run once against the unkernelized module in eager mode."""
+    import torch
+
+    x, index, weights, dy = inputs
+    torch._dynamo.reset()
+    graphs = []
+    compiled = torch.compile(mod, fullgraph=fullgraph, backend=recording_backend(graphs))
+    mod.zero_grad(set_to_none=True), ref.zero_grad(set_to_none=True)
+    xa, xb = x.clone().requires_grad_(train), x.clone().requires_grad_(train)
+    calls.reset()
+    with torch.set_grad_enabled(train):
+        y = compiled(xa, index, weights)
+        if train:
+            y.backward(dy)
+        res = {"calls": calls.take()}
+        y_ref = ref(xb, index, weights)
+        if train:
+            y_ref.backward(dy)
+    ops = [op for g in graphs for op in g]
+    res.update(graphs=len(graphs), kernel_ops=sum(op.startswith(calls.namespace + ".") for op in ops),
+               out=compare(y, y_ref))
+    if train:
+        res.update(grads=compare_grads(mod, ref), input_grad=compare(xa.grad, xb.grad))
+    return res
+
+
+def check_moe_cuda(calls, packed, work, kernelize, Mode):
+    """The MoE checks on the GPU, in bf16, with deterministic algorithms (transformers' experts accumulate with
+    index_add_ / index backward, which are atomic, so not reproducible, on CUDA otherwise)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS reads it when its first handle is made
+    import torch
+
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        out = {"families": {n: guarded(check_moe_family, n, calls, packed, work, kernelize, Mode, device="cuda",
+                                       dtype="bfloat16", backend="triton")
+                            for n in ("gemma4_moe", "gemma4_moe_erf")}}
+        out["experts_modules"] = {k: guarded(check_experts_module, k, calls, packed, kernelize, Mode, device="cuda",
+                                             backend="triton")
+                                  for k in EXPERTS_MODULES if k.endswith("[bf16]")}
+    finally:
+        torch.use_deterministic_algorithms(False)
+    return out
+
+
 def check_non_gelu(name, calls, kernelize, Mode):
     import torch
 
@@ -481,6 +802,11 @@ def check_kernel_config(work: Path):
     ref, model = build("gemma")
     cfg = geglu_kernel_config(model)
     out["mapping"] = {k: [v[0], v[1]] for k, v in cfg.kernel_mapping.items()}
+    # a MoE model: the experts' class layer and their gate layers (found in _kernel_funcs), from the instance and
+    # from the class
+    _, moe = build_moe("gemma4_moe")
+    out["moe_mapping"] = {k: v[0] for k, v in geglu_kernel_config(moe).kernel_mapping.items()}
+    out["moe_class_keys"] = sorted(geglu_kernel_config(type(moe)).kernel_mapping)
     try:
         model.set_use_kernels(True, cfg)
         out["set_use_kernels"] = "ok"
@@ -576,6 +902,13 @@ def main_full(out_path: Path) -> None:
     report["modules"] = {k: guarded(check_module, k, calls, kernelize, Mode,
                                     compile_train=k in first_of_layer.values()) for k in MODULES}
     report["non_gelu"] = {n: guarded(check_non_gelu, n, calls, kernelize, Mode) for n in NON_GELU}
+    packed = PackedCalls(kernel.layers)
+    report["moe"] = {n: guarded(check_moe_family, n, calls, packed, work, kernelize, Mode) for n in MOE_FAMILIES}
+    report["moe_non_gelu"] = {n: guarded(check_moe_non_gelu, n, calls, packed, kernelize, Mode) for n in MOE_NON_GELU}
+    report["experts_modules"] = {k: guarded(check_experts_module, k, calls, packed, kernelize, Mode)
+                                 for k in EXPERTS_MODULES}
+    if torch.cuda.is_available():
+        report["moe_cuda"] = guarded(check_moe_cuda, calls, packed, work, kernelize, Mode)
     report["kernel_config"] = guarded(check_kernel_config, work)
     report["lockfile"] = guarded(check_lockfile, repo_id, work, calls, kernelize, Mode)
     report["reregister"] = guarded(check_reregister, repo_id)  # last: it changes the global mapping
@@ -591,6 +924,15 @@ def main_disabled(out_path: Path) -> None:
     from kerneltools.transformers_kernels import register_geglu_kernels
 
     torch.set_num_threads(1)
+    # the MoE references come first, from transformers' classes as they are before registration
+    moe_refs = {}
+    for name, (cfg, model_cls, kwargs, host, kind) in MOE_FAMILIES.items():
+        ref, _ = build_moe(name)
+        inputs = _moe_inputs(kind, "cpu")
+        with torch.no_grad():
+            for impl in EXPERTS_IMPLEMENTATIONS:
+                ref.set_experts_implementation(impl)
+                moe_refs[name, impl] = moe_output(ref, inputs, kind)
     register_geglu_kernels(os.environ["GEGLU_REPO_ID"], version=1)
     report = {}
     for name, (cfg, model_cls, kwargs, host, layer, kind) in FAMILIES.items():
@@ -604,6 +946,22 @@ def main_disabled(out_path: Path) -> None:
             return {"hosts": len(hosts), "original": sum(forward_name(m) == f"{type(m).__name__}.forward"
                                                          for _, m in hosts), "equal": equal}
         report[name] = guarded(one)
+    for name, (cfg, model_cls, kwargs, host, kind) in MOE_FAMILIES.items():
+        def one_moe():
+            _, model = build_moe(name)
+            kernelize(model, mode=Mode.INFERENCE, device="cpu")
+            experts = [m for _, m in hosts_of(model, host)]
+            inputs = _moe_inputs(kind, "cpu")
+            equal = {}
+            with torch.no_grad():
+                for impl in EXPERTS_IMPLEMENTATIONS:
+                    model.set_experts_implementation(impl)
+                    equal[impl] = bool(torch.equal(moe_output(model, inputs, kind), moe_refs[name, impl]))
+            return {"hosts": len(experts),
+                    "original": sum(forward_name(m) == f"{host}.forward" for m in experts),
+                    "gate_original": sum(gate_name(m) == "ExpertsGate.forward" for m in experts),
+                    "equal": equal}
+        report["moe:" + name] = guarded(one_moe)
     report["loaded_kernel_modules"] = sorted(m for m in sys.modules if m.startswith("_geglu"))
     out_path.write_text(json.dumps(report, indent=1))
 
