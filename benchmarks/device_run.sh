@@ -10,7 +10,7 @@
 # backward and the training step with the fused kernels; BWD_ARGS passes options, e.g. "--no-sweep --compile"), ws-test (the Gluon backward's GPU tests), ws-fwd-test (the Gluon forward's), node-test (the training node's tests), ws-power (SM clock and power per backward variant), ws-diag and
 # ws-ncu (why the Gluon backward is slow: timings, and ncu's speed-of-light and memory sections), ws-stalls (its
 # warp stall reasons), ws-source (ncu's per-instruction SASS stall samples of one variant, WS_ONLY=label regex; WS_DIAG_ONLY filters ws-diag alike), bench (bf16 with peers and the whole MLP; bench-fast: without max-autotune), bench-other (fp16 and
-# fp32, ours and eager), profile, sanitize, moe (the Gemma 4 MoE experts benchmark, kerneltools.bench_moe),
+# fp32, ours and eager), profile, sanitize, moe (the Gemma 4 MoE experts benchmark, kerneltools.bench.moe),
 # moe-test (the MoE model and experts tests of the transformers integration, GPU variants included).
 # Each step is time-limited and logged to $OUT/<step>.log; a failing step does not stop the later ones.
 set -u
@@ -87,7 +87,7 @@ for s in "$@"; do
     bench-other) step bench-fp16 200 python3 -m kerneltools bench --build-dir build --dtype float16 --no-peers --no-mlp \
         --out "$OUT/fp16"; step bench-fp32 200 python3 -m kerneltools bench --build-dir build --dtype float32 \
         --no-peers --no-mlp --out "$OUT/fp32" ;;
-    moe) step moe 170 python3 -m kerneltools.bench_moe --build-dir build --out "$OUT" ;;
+    moe) step moe 170 python3 -m kerneltools.bench.moe --build-dir build --out "$OUT" ;;
     moe-test) step moe-test 300 python3 -m pytest tests/tools/test_transformers_kernelize.py -q -x -p no:cacheprovider \
         -k "moe or experts" ;;
     profile) step profile 240 python3 -m kerneltools profile --build-dir build --out "$OUT" ;;

@@ -475,8 +475,9 @@ def test_fused_path_never_runs_when_off_in_training_at_decode_or_through_modules
             m.down_proj.register_forward_hook(lambda *a: None)
             assert torch.equal(m(x), eager)
             m.down_proj._forward_hooks.clear()
-        y = m(x)
-        assert type(y.grad_fn).__name__ == "GeGLUMLPFunctionBackward" and torch.equal(y, eager)
+        y = m(x)  # training: the node (CPU), or eager's own ops (a host-bound CUDA step this small)
+        node = "MmBackward0" if HAS_CUDA and mlp.host_bound(x, m.gate_proj.weight) else "GeGLUMLPFunctionBackward"
+        assert type(y.grad_fn).__name__ == node and torch.equal(y, eager)
         assert not calls and not mlp._DECISIONS
     finally:
         restore.__exit__()

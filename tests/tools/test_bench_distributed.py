@@ -1,4 +1,4 @@
-"""kerneltools.bench_distributed starts and reports on CPU: two gloo ranks through torchrun (transformers'
+"""kerneltools.bench.distributed starts and reports on CPU: two gloo ranks through torchrun (transformers'
 tp_plan="auto" and FSDP2) and one process (a 1-process mesh through parallelize_module), with a tiny config. The
 timings here mean nothing (a shared 2-core machine); what is checked is that every phase ran both variants, that
 the kernel's inputs were each rank's shard under TP, and that the FSDP2 step ran the training node. The GPU run is
@@ -30,7 +30,7 @@ def _check_phase(res: dict) -> None:
 def test_two_ranks_tp_and_fsdp(build_dir, tmp_path):
     out = tmp_path / "report.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "kerneltools.bench_distributed", "--device", "cpu", "--tiny", "--build-dir", str(build_dir),
+           "-m", "kerneltools.bench.distributed", "--device", "cpu", "--tiny", "--build-dir", str(build_dir),
            "--rounds", "1", "--warmup", "0", "--decode-steps", "2", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -51,7 +51,7 @@ def test_two_ranks_tp_and_fsdp(build_dir, tmp_path):
 
 def test_one_process_mesh(build_dir, tmp_path):
     out = tmp_path / "report.json"
-    cmd = [sys.executable, "-m", "kerneltools.bench_distributed", "--device", "cpu", "--tiny", "--build-dir",
+    cmd = [sys.executable, "-m", "kerneltools.bench.distributed", "--device", "cpu", "--tiny", "--build-dir",
            str(build_dir), "--rounds", "1", "--warmup", "0", "--phases", "prefill", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -67,7 +67,7 @@ def test_one_gpu_mesh_runs_our_kernels(build_dir, tmp_path):
     """On one GPU (a 1-process mesh, parallelize_module): the profiled prefill and decode launched our kernels
     (names with "geglu", on the GPU) on the kernel's inputs."""
     out = tmp_path / "report.json"
-    cmd = [sys.executable, "-m", "kerneltools.bench_distributed", "--device", "cuda", "--tiny", "--build-dir",
+    cmd = [sys.executable, "-m", "kerneltools.bench.distributed", "--device", "cuda", "--tiny", "--build-dir",
            str(build_dir), "--rounds", "1", "--warmup", "1", "--phases", "prefill,decode", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

@@ -1,4 +1,4 @@
-"""kerneltools.bench_moe on CPU with --quick (tiny shapes): it runs end to end, ours is the kernelized experts
+"""kerneltools.bench.moe on CPU with --quick (tiny shapes): it runs end to end, ours is the kernelized experts
 module whose gate runs the packed kernel once per call, every output is compared with eager's (bf16 tanh with an
 intermediate size of 64: bit-exact on CPU), and the markdown has every row. The timings themselves are GPU work
 (`bash benchmarks/device_run.sh moe`)."""
@@ -13,7 +13,7 @@ from toolhelpers import REPO_ROOT
 
 
 def _bench(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "kerneltools.bench_moe", *args], cwd=REPO_ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kerneltools.bench.moe", *args], cwd=REPO_ROOT, capture_output=True,
                           text=True, timeout=timeout)
 
 

@@ -20,7 +20,7 @@ each round times every implementation of a row, in an order that rotates from ro
 eager is the median of the per-round ratios. The outputs are compared with eager's (``equal``: bit for bit).
 On CPU (``--quick`` shapes; for the tests) the times are medians of wall-clock calls: a smoke run, not a measurement.
 
-    python -m kerneltools.bench_moe [--build-dir build] [--out benchmarks/results] [--quick] [--rounds N]
+    python -m kerneltools.bench.moe [--build-dir build] [--out benchmarks/results] [--quick] [--rounds N]
 """
 
 from __future__ import annotations
@@ -225,12 +225,12 @@ def run(build_dir: Path, *, quick: bool = False, rounds: int = 3, device: str | 
 
 
 def _meta(torch, device, floor, shape, rounds, compile_backend) -> dict:
-    from kerneltools.bench import _git_commit
+    from .common import git_commit as _git_commit
 
     meta = dict(device=torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
                 torch=torch.__version__, python=platform.python_version(), copy_floor_gbs=floor,
                 shape=asdict(shape), rounds=rounds, compile_backend=compile_backend,
-                date=_dt.date.today().isoformat(), commit=_git_commit(Path(__file__).resolve().parents[1]))
+                date=_dt.date.today().isoformat(), commit=_git_commit())
     try:
         import triton
 
@@ -260,7 +260,7 @@ def to_markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kerneltools.bench_moe", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m kerneltools.bench.moe", description=__doc__.split("\n\n")[0])
     ap.add_argument("--build-dir", type=Path, default=Path("build"), help="the kernel's build tree (kernels loads it)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="writes moe.json and moe.md there")
     ap.add_argument("--quick", action="store_true", help="tiny shapes (a CPU smoke run)")

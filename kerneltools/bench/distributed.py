@@ -17,10 +17,10 @@ and fused ``*_gate_up_geglu_kernel``, the CUDA library's ``geglu_fwd_kernel`` / 
 counts and times, and the shapes of the gate projection's local outputs (the kernel's inputs: ``[.., I / world]``
 under TP).
 
-    torchrun --standalone --nproc-per-node 2 -m kerneltools.bench_distributed --build-dir build \\
+    torchrun --standalone --nproc-per-node 2 -m kerneltools.bench.distributed --build-dir build \\
         --out benchmarks/results/h200x2/distributed.json
-    python -m kerneltools.bench_distributed --build-dir build            # one GPU: a 1-process mesh
-    torchrun --standalone --nproc-per-node 2 -m kerneltools.bench_distributed --device cpu --tiny ...  # smoke test
+    python -m kerneltools.bench.distributed --build-dir build            # one GPU: a 1-process mesh
+    torchrun --standalone --nproc-per-node 2 -m kerneltools.bench.distributed --device cpu --tiny ...  # smoke test
 
 The kernel is loaded from ``--build-dir`` with ``kernels.get_local_kernel`` and mapped for kernelize with
 ``LocalLayerRepository`` (the classes of ``kerneltools.transformers_kernels``).
@@ -45,7 +45,7 @@ TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_atten
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m kerneltools.bench_distributed", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m kerneltools.bench.distributed", description=__doc__.split("\n")[0])
     p.add_argument("--build-dir", type=Path, default=Path("build"), help="kernel build tree (kerneltools build)")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
     p.add_argument("--tiny", action="store_true", help="a tiny config (tests, CPU)")
@@ -93,7 +93,7 @@ def _init(device: str):
 def _map_kernel(build_dir: Path) -> None:
     from kernels import LocalLayerRepository, Mode, register_kernel_mapping
 
-    from .transformers_kernels import GEGLU_CLASSES, register_geglu_kernels
+    from kerneltools.transformers_kernels import GEGLU_CLASSES, register_geglu_kernels
 
     reg = register_geglu_kernels(devices=("cuda", "cpu"), register=False)
     modes = (Mode.INFERENCE, Mode.TRAINING, Mode.INFERENCE | Mode.TORCH_COMPILE, Mode.TRAINING | Mode.TORCH_COMPILE)
