@@ -137,8 +137,8 @@ def assert_bitwise(actual: torch.Tensor, expected: torch.Tensor, what: str) -> N
     if bad.any():
         idx = tuple(int(i) for i in bad.nonzero()[0])
         raise AssertionError(
-            f"{what}: {int(bad.sum())} of {a.numel()} elements differ from the emulated rounding sequence; first at "
-            f"{idx}: {actual[idx].item()!r} vs {expected[idx].item()!r}")
+            f"{what}: {int(bad.sum())} of {a.numel()} elements differ in their bits; first at {idx}: "
+            f"{actual[idx].item()!r}, expected {expected[idx].item()!r}")
 
 
 assert set(_INT) == set(DTYPES)
