@@ -16,8 +16,6 @@ import math
 import numpy as np
 import torch
 
-from ._reference import DTYPES
-
 F32 = np.float32
 
 # eager's constants, as C++ rounds them (the same as _triton.py's, recomputed here)
@@ -139,6 +137,3 @@ def assert_bitwise(actual: torch.Tensor, expected: torch.Tensor, what: str) -> N
         raise AssertionError(
             f"{what}: {int(bad.sum())} of {a.numel()} elements differ in their bits; first at {idx}: "
             f"{actual[idx].item()!r}, expected {expected[idx].item()!r}")
-
-
-assert set(_INT) == set(DTYPES)

@@ -39,7 +39,7 @@ E32 = torch.finfo(torch.float32).eps
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 BM, BN = 16, 32  # test tiles; the tensors are whole tiles (the epilogues' masks are the kernels' business)
 
-# The package's jit functions under test, set by the `fmt` fixture: the kernel module is the one `kernels` loaded
+# The package's jit functions under test, set by the `tri` fixture: the kernel module is the one `kernels` loaded
 # from the build (its name depends on the build), and the test kernels below resolve these globals when they run.
 _geglu_epilogue = None
 _dgeglu_part = None
@@ -77,7 +77,8 @@ def _dgeglu_kernel(dh_ptr, g_ptr, u_ptr, h_ptr, M, N,
 
 
 @pytest.fixture(scope="module")
-def fmt(geglu):
+def tri(geglu):
+    """The loaded kernel's _triton module (eager's constants); binds the epilogues under test for the kernels above."""
     mod = importlib.import_module(geglu.__name__ + "._fused_mlp_triton")
     globals()["_geglu_epilogue"] = mod._geglu_epilogue
     globals()["_dgeglu_part"] = mod._dgeglu_part
@@ -93,12 +94,12 @@ def _accumulators(m=2 * BM, n=2 * BN):
     return g.to(DEVICE), torch.randn(m, n, dtype=torch.float32).to(DEVICE)
 
 
-def _run_epilogue(fmt, acc_g, acc_u, dtype, tanh, save, fast):
+def _run_epilogue(tri, acc_g, acc_u, dtype, tanh, save, fast):
     m, n = acc_g.shape
     y, g, u = (torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE) for _ in range(3))
     _epilogue_kernel[(m // BM, n // BN)](acc_g, acc_u, y, g, u, n, TANH=tanh, SAVE=save, FAST_EPI=fast,
-                                         BLOCK_M=BM, BLOCK_N=BN, K_BETA_TANH=fmt.K_BETA_TANH,
-                                         K_KAPPA=fmt.K_KAPPA, K_ALPHA=fmt.K_ALPHA, enable_fp_fusion=False)
+                                         BLOCK_M=BM, BLOCK_N=BN, K_BETA_TANH=tri.K_BETA_TANH,
+                                         K_KAPPA=tri.K_KAPPA, K_ALPHA=tri.K_ALPHA, enable_fp_fusion=False)
     return y, g, u
 
 
@@ -160,12 +161,12 @@ def _eager_fwd(g, u, tanh):
 @pytest.mark.parametrize("save", [0, 1])
 @pytest.mark.parametrize("approximate", APPROX)
 @pytest.mark.parametrize("dtype", HALF)
-def test_fast_inference_epilogue(fmt, dtype, approximate, save):
+def test_fast_inference_epilogue(tri, dtype, approximate, save):
     """FAST_EPI: y = T(gelu(acc_g) * acc_u) within the bound of fp64; with SAVE = 1, g and u are the accumulators
     rounded to T."""
     tanh = approximate == "tanh"
     acc_g, acc_u = _accumulators()
-    y, g, u = _run_epilogue(fmt, acc_g, acc_u, dtype, tanh, save, True)
+    y, g, u = _run_epilogue(tri, acc_g, acc_u, dtype, tanh, save, True)
     _check_bound(y.cpu(), (_gelu64(acc_g, tanh) * acc_u.double()).cpu(), (acc_g.abs() * acc_u.abs()).cpu(),
                  (_gelu64(acc_g, not tanh) * acc_u.double()).cpu(), f"fast y {approximate}")
     if save:
@@ -176,13 +177,13 @@ def test_fast_inference_epilogue(fmt, dtype, approximate, save):
 @pytest.mark.parametrize("fast", [True, False])
 @pytest.mark.parametrize("approximate", APPROX)
 @pytest.mark.parametrize("dtype", HALF)
-def test_saved_derivative_epilogue(fmt, dtype, approximate, fast):
+def test_saved_derivative_epilogue(tri, dtype, approximate, fast):
     """SAVE = 2 (training with the saved derivative): y = T(gelu(x) * u), g = T(gelu(x)), u = T(u * gelu'(x)) of
     the fp32 accumulators x, u. Within the bound of fp64 with and without FAST_EPI; without it, bit for bit the
     fp32 `_gelu` / `_gelu_grad` (eager's formulas) with each output rounded once."""
     tanh = approximate == "tanh"
     acc_g, acc_u = _accumulators()
-    y, g, u = _run_epilogue(fmt, acc_g, acc_u, dtype, tanh, 2, fast)
+    y, g, u = _run_epilogue(tri, acc_g, acc_u, dtype, tanh, 2, fast)
     x, uu = acc_g.cpu(), acc_u.cpu()
     ref_h, other_h = _gelu64(x, tanh), _gelu64(x, not tanh)
     _check_bound(y.cpu(), ref_h * uu.double(), x.abs() * uu.abs(), other_h * uu.double(), f"SAVE=2 y {approximate}")
@@ -199,12 +200,12 @@ def test_saved_derivative_epilogue(fmt, dtype, approximate, fast):
 @pytest.mark.parametrize("save", [0, 1])
 @pytest.mark.parametrize("approximate", APPROX)
 @pytest.mark.parametrize("dtype", HALF)
-def test_eager_rounding_epilogue(fmt, dtype, approximate, save):
+def test_eager_rounding_epilogue(tri, dtype, approximate, save):
     """FAST_EPI off: the accumulators rounded to T as eager's GEMMs store them, then eager's GeGLU of those, bit
     for bit: y = T(float(T(gelu(T(acc_g)))) * float(T(acc_u)))."""
     tanh = approximate == "tanh"
     acc_g, acc_u = _accumulators()
-    y, g, u = _run_epilogue(fmt, acc_g, acc_u, dtype, tanh, save, False)
+    y, g, u = _run_epilogue(tri, acc_g, acc_u, dtype, tanh, save, False)
     gT, uT = acc_g.to(dtype), acc_u.to(dtype)
     emu.assert_bitwise(y, _eager_fwd(gT, uT, tanh), f"eager-rounding y {approximate}")
     if save:
@@ -217,7 +218,7 @@ def test_eager_rounding_epilogue(fmt, dtype, approximate, save):
 @pytest.mark.parametrize("write_h", [False, True])
 @pytest.mark.parametrize("approximate", APPROX)
 @pytest.mark.parametrize("dtype", HALF)
-def test_fused_backward_epilogue(fmt, dtype, approximate, write_h):
+def test_fused_backward_epilogue(tri, dtype, approximate, write_h):
     """`_dgeglu_part`: d_h = T(acc) as eager's GEMM stores it, then eager's backward rounding written over [g | u]
     (d_gate = T(T(d_h * u) * gelu'(g)), d_up = T(d_h * T(gelu(g)))) and h = T(T(gelu(g)) * u), bit for bit."""
     tanh = approximate == "tanh"
@@ -228,8 +229,8 @@ def test_fused_backward_epilogue(fmt, dtype, approximate, write_h):
     d_gate, d_up = g.clone(), u.clone()
     h = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)
     _dgeglu_kernel[(m // BM, n // BN)](dh_acc, d_gate, d_up, h, m, n, TANH=tanh, WRITE_H=write_h, BLOCK_M=BM,
-                                       BLOCK_N=BN, K_BETA_TANH=fmt.K_BETA_TANH, K_KAPPA=fmt.K_KAPPA,
-                                       K_ALPHA=fmt.K_ALPHA, K_BETA_ERF=fmt.K_BETA_ERF, K_3KAPPA=fmt.K_3KAPPA,
+                                       BLOCK_N=BN, K_BETA_TANH=tri.K_BETA_TANH, K_KAPPA=tri.K_KAPPA,
+                                       K_ALPHA=tri.K_ALPHA, K_BETA_ERF=tri.K_BETA_ERF, K_3KAPPA=tri.K_3KAPPA,
                                        enable_fp_fusion=False)
     dy = dh_acc.to(dtype)
     if g.is_cuda:

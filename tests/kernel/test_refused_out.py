@@ -50,11 +50,14 @@ def test_packed_forms(impl, geglu):
     _, device = impl
     x = randn(3, 8, dtype=torch.float32, device=device)
     cases = [
-        (geglu.gelu_and_mul, x, _poisoned(3, 5, device=device), ValueError, r"out has shape \(3, 5\); expected \(3, 4\)"),
+        (geglu.gelu_and_mul, x, _poisoned(3, 5, device=device), ValueError,
+         r"out has shape \(3, 5\); expected \(3, 4\)"),
         (geglu.gelu_tanh_and_mul, x, _poisoned(3, 4, dtype=torch.bfloat16, device=device), TypeError,
          r"x is torch\.float32 but out is torch\.bfloat16"),
-        (geglu.gelu_and_mul, x[:, :7], _poisoned(3, 3, device=device), ValueError, r"last dimension is 7, which is odd"),
-        (geglu.gelu_and_mul, x.to(torch.float64), _poisoned(3, 4, device=device), TypeError, r"x has dtype torch\.float64"),
+        (geglu.gelu_and_mul, x[:, :7], _poisoned(3, 3, device=device), ValueError,
+         r"last dimension is 7, which is odd"),
+        (geglu.gelu_and_mul, x.to(torch.float64), _poisoned(3, 4, device=device), TypeError,
+         r"x has dtype torch\.float64"),
         (geglu.gelu_tanh_and_mul, x, _poisoned(3, 4, device=device, stride2=True), ValueError,
          r"out has stride 2 in its last dimension"),
         (geglu.gelu_and_mul, x.clone().requires_grad_(), _poisoned(3, 4, device=device), RuntimeError,

@@ -117,7 +117,7 @@ def test_kernels_use_cudas_transcendental_sequences(offline):
                 found[name] += 1
             else:
                 bad = [i for i in norm if not _MEMORY.match(i)]
-                assert not bad, f"{tag}: inline asm that is neither a load/store nor one of _triton.py's sequences: {bad}"
+                assert not bad, f"{tag}: inline asm neither a load/store nor one of _triton.py's sequences: {bad}"
         n = meta["elements_per_thread"]
         bwd = meta["kernel"].startswith("bwd")
         want = {"tanh": n} if meta["tanh"] else {"erf": n, **({"exp": n} if bwd else {})}
