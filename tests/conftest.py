@@ -2,7 +2,9 @@
 ``kernels.get_local_kernel``. Without a GPU, Triton kernels run under the Triton interpreter on CPU tensors."""
 
 import os
+import random
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -68,3 +70,51 @@ def impl(request, geglu):
         yield name, ("cuda" if HAS_CUDA else "cpu")
     finally:
         geglu.set_backend("auto")
+
+
+# --- seeded random data ------------------------------------------------------------------------------------------
+# Each test draws from torch's and Python's global generators, seeded from the run's base seed and the test's id:
+# fresh data on every run, and a failure replays with GEGLU_TEST_SEED=<base> (shown in the header and in the
+# failure's report; the same test id gets the same data).
+
+_SEED = pytest.StashKey[int]()
+
+
+def _base_seed() -> int:
+    text = os.environ.get("GEGLU_TEST_SEED", "").strip()
+    if not text:
+        return int.from_bytes(os.urandom(4), "little")
+    try:
+        return int(text, 0)
+    except ValueError:
+        raise pytest.UsageError(f"GEGLU_TEST_SEED={text!r}: expected an integer, the seed a failing run reported "
+                                "(or unset it for fresh data).") from None
+
+
+BASE_SEED = _base_seed()
+
+
+def per_test_seed(nodeid: str, base: int = BASE_SEED) -> int:
+    """The seed of one test: a function of the base seed and the test's id, so it replays alone or in a suite."""
+    return zlib.crc32(f"{base}:{nodeid}".encode())
+
+
+@pytest.fixture(autouse=True)
+def _seeded_rng(request):
+    seed = per_test_seed(request.node.nodeid)
+    request.node.stash[_SEED] = seed
+    torch.manual_seed(seed)  # CPU and every CUDA device
+    random.seed(seed)
+    return seed
+
+
+def pytest_report_header(config):
+    return f"random data: GEGLU_TEST_SEED={BASE_SEED} (set it to replay this run's data)"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if report.failed and _SEED in item.stash:
+        report.sections.append(("random data", f"replay with GEGLU_TEST_SEED={BASE_SEED} "
+                                               f"(this test's torch seed: {item.stash[_SEED]})"))

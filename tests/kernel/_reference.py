@@ -36,7 +36,8 @@ def fp64_grads(gate, up, dy, approximate):
 
 
 def randn(*shape, dtype, device, scale=1.0):
-    """Fresh random data; scale 3 spreads gates over GELU's curved region and both tails."""
+    """Fresh random data; scale 3 spreads gates over GELU's curved region and both tails. Drawn from torch's global
+    generator, which tests/conftest.py seeds for each test (a failure reports the GEGLU_TEST_SEED that replays it)."""
     return (torch.randn(*shape, device=device, dtype=torch.float32) * scale).to(dtype)
 
 

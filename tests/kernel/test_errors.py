@@ -81,10 +81,12 @@ def test_out_with_autograd_is_refused(geglu):
 
 
 def test_errors_under_compile(geglu):
-    """The fake implementations run the same checks: torch.compile reports the same message."""
+    """The fake implementations run the same checks: torch.compile reports the same message (dynamo wraps the
+    ValueError raised while tracing with fake tensors)."""
     torch._dynamo.reset()
     f = torch.compile(lambda g, u: geglu.geglu(g, u), fullgraph=True, backend="aot_eager")
-    with pytest.raises(Exception, match=r"gate has shape \(4, 8\) but up has shape \(4, 9\)"):
+    with pytest.raises(torch._dynamo.exc.TorchRuntimeError,
+                       match=r"got ValueError\('geglu: gate has shape \(4, 8\) but up has shape \(4, 9\)"):
         f(_t(4, 8), _t(4, 9))
 
 

@@ -1,0 +1,247 @@
+"""The fused MLP's epilogues on given fp32 accumulators: `_fused_mlp_triton._geglu_epilogue` (forward, every
+FAST_EPI / SAVE mode) and `_dgeglu_part` (backward), called from small test kernels on tiles we fill ourselves,
+so the GEMM's accumulation order plays no part.
+
+* The fast epilogues (FAST_EPI: the GeGLU of the fp32 accumulators, rounded once; SAVE = 2: also gelu(g) and
+  u * gelu'(g)) have no eager rounding sequence to match; each output is compared elementwise with fp64 on the same
+  fp32 inputs within
+
+      |out - ref64| <= ulp_T(ref64) / 2 + 16 * eps_fp32 * S
+
+  (correct rounding to T of a value within a few fp32 ulps of the magnitude S of the computation: |x| * |u| for
+  gelu(x) * u, |x| for gelu(x), (1 + x^2) * |u| for u * gelu'(x); ulp_T at the larger of |out| and |ref64|).
+  The inputs lie mostly where the erf and tanh GELUs differ by many ulps of T (x in [-5, -2.5]), and the test
+  checks that the other GELU breaks the bound for at least a quarter of the elements: computing tanh where erf was
+  asked (or the reverse) fails.
+* Where the rounding sequence is defined (FAST_EPI off: g and u rounded to T as eager's GEMMs store them, then the
+  pointwise GeGLU with eager's rounding; SAVE = 2 without FAST_EPI: `_gelu` / `_gelu_grad` of the fp32
+  accumulator, each output rounded once; the backward epilogue: d_h rounded, then eager's mul / gelu_backward
+  rounding), the outputs are compared bit for bit with an emulation of that sequence: tests/kernel/_emulation.py
+  under the interpreter, eager's own fp32 ops on a GPU.
+"""
+
+import importlib
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from . import _emulation as emu
+from ._reference import APPROX
+
+HALF = [torch.bfloat16, torch.float16]  # the fused MLP's dtypes
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+E32 = torch.finfo(torch.float32).eps
+# the interpreter's exp/exp2 overflow to inf in GELU's far tails (the sigmoid and tanh saturate, as on the GPU)
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+BM, BN = 16, 32  # test tiles; the tensors are whole tiles (the epilogues' masks are the kernels' business)
+
+# The package's jit functions under test, set by the `tri` fixture: the kernel module is the one `kernels` loaded
+# from the build (its name depends on the build), and the test kernels below resolve these globals when they run.
+_geglu_epilogue = None
+_dgeglu_part = None
+
+
+@triton.jit
+def _epilogue_kernel(acc_g_ptr, acc_u_ptr, y_ptr, g_ptr, u_ptr, N,
+                     TANH: tl.constexpr, SAVE: tl.constexpr, FAST_EPI: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    acc_g = tl.load(acc_g_ptr + offs)
+    acc_u = tl.load(acc_u_ptr + offs)
+    y, g, u = _geglu_epilogue(acc_g, acc_u, y_ptr.dtype.element_ty, TANH, SAVE, FAST_EPI, K_BETA_TANH, K_KAPPA,
+                              K_ALPHA)
+    tl.store(y_ptr + offs, y)
+    tl.store(g_ptr + offs, g)
+    tl.store(u_ptr + offs, u)
+
+
+@triton.jit
+def _dgeglu_kernel(dh_ptr, g_ptr, u_ptr, h_ptr, M, N,
+                   TANH: tl.constexpr, WRITE_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr,
+                   K_BETA_ERF: tl.constexpr, K_3KAPPA: tl.constexpr):
+    off_m = tl.program_id(0) * BLOCK_M
+    off_n = tl.program_id(1) * BLOCK_N
+    rows = off_m + tl.arange(0, BLOCK_M)
+    cols = off_n + tl.arange(0, BLOCK_N)
+    dh_acc = tl.load(dh_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :])
+    _dgeglu_part(dh_acc, off_m, off_n, g_ptr, u_ptr, h_ptr, M, N, N, N, N, g_ptr.dtype.element_ty, TANH, WRITE_H,
+                 False, BLOCK_M, BLOCK_N, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA)
+
+
+@pytest.fixture(scope="module")
+def tri(geglu):
+    """The loaded kernel's _triton module (eager's constants); binds the epilogues under test for the kernels above."""
+    mod = importlib.import_module(geglu.__name__ + "._fused_mlp_triton")
+    globals()["_geglu_epilogue"] = mod._geglu_epilogue
+    globals()["_dgeglu_part"] = mod._dgeglu_part
+    return importlib.import_module(geglu.__name__ + "._triton")
+
+
+def _accumulators(m=2 * BM, n=2 * BN):
+    """fp32 accumulators: half of the gates in [-5, -2.5] (where erf and tanh GELU differ by 3-85 %), the rest
+    randn * 3 (both tails and the curved middle); ups randn."""
+    g = torch.randn(m, n, dtype=torch.float32) * 3
+    tail = torch.rand(m, n) < 0.5
+    g[tail] = -2.5 - 2.5 * torch.rand(int(tail.sum()))
+    return g.to(DEVICE), torch.randn(m, n, dtype=torch.float32).to(DEVICE)
+
+
+def _run_epilogue(tri, acc_g, acc_u, dtype, tanh, save, fast):
+    m, n = acc_g.shape
+    y, g, u = (torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE) for _ in range(3))
+    _epilogue_kernel[(m // BM, n // BN)](acc_g, acc_u, y, g, u, n, TANH=tanh, SAVE=save, FAST_EPI=fast,
+                                         BLOCK_M=BM, BLOCK_N=BN, K_BETA_TANH=tri.K_BETA_TANH,
+                                         K_KAPPA=tri.K_KAPPA, K_ALPHA=tri.K_ALPHA, enable_fp_fusion=False)
+    return y, g, u
+
+
+def _gelu64(x, tanh):
+    return F.gelu(x.double(), approximate="tanh" if tanh else "none")
+
+
+def _gelu_grad64(x, tanh):
+    x = x.detach().double().requires_grad_()
+    F.gelu(x, approximate="tanh" if tanh else "none").sum().backward()
+    return x.grad
+
+
+def _ulp(v: torch.Tensor, dtype) -> torch.Tensor:
+    """The spacing of ``dtype`` at |v| (fp64 tensor), subnormals included."""
+    fi = torch.finfo(dtype)
+    mantissa_bits, min_exponent = round(-math.log2(fi.eps)), round(math.log2(fi.tiny))
+    _, e = torch.frexp(v.abs().clamp_min(fi.tiny))  # |v| = m * 2^e, m in [0.5, 1)
+    return torch.ldexp(torch.ones_like(v), (e - 1).clamp_min(min_exponent) - mantissa_bits)
+
+
+def _bound(out, ref64, scale):
+    """The stated bound (module docstring), elementwise."""
+    ulp = _ulp(torch.maximum(out.double().abs(), ref64.abs()), out.dtype)
+    return ulp / 2 + 16 * E32 * scale.double()
+
+
+def _check_bound(out, ref64, scale, other64, what):
+    """out within the bound of ref64; and other64 (the other GELU's value) outside it for >= 1/4 of the
+    elements, so that the wrong GELU would not pass."""
+    allowed = _bound(out, ref64, scale)
+    err = (out.double() - ref64).abs()
+    worst = (err / allowed).max().item()
+    assert worst <= 1.0, f"{what}: error up to {worst:.3g} x the bound"
+    caught = ((other64 - ref64).abs() > 2 * allowed).float().mean().item()
+    assert caught >= 0.25, f"{what}: the other GELU breaks the bound for only {caught:.0%} of the elements"
+
+
+def _fp32_gelu(x, tanh):
+    """gelu(x) as eager computes it in fp32: the emulation under the interpreter, eager itself on a GPU."""
+    if x.is_cuda:
+        return F.gelu(x, approximate="tanh" if tanh else "none")
+    return torch.from_numpy(emu.gelu32(emu.f32(x), tanh))
+
+
+def _fp32_gelu_grad(x, tanh):
+    if x.is_cuda:  # gelu_backward(1, x) = 1 * gelu'(x): exact
+        return torch.ops.aten.gelu_backward(torch.ones_like(x), x, approximate="tanh" if tanh else "none")
+    return torch.from_numpy(emu.gelu_grad32(emu.f32(x), tanh))
+
+
+def _eager_fwd(g, u, tanh):
+    """T(float(T(gelu_fp32(g))) * float(u)) for g, u in T."""
+    if g.is_cuda:
+        return F.gelu(g, approximate="tanh" if tanh else "none") * u
+    return emu.forward(g, u, tanh)
+
+
+@pytest.mark.parametrize("save", [0, 1])
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("dtype", HALF)
+def test_fast_inference_epilogue(tri, dtype, approximate, save):
+    """FAST_EPI: y = T(gelu(acc_g) * acc_u) within the bound of fp64; with SAVE = 1, g and u are the accumulators
+    rounded to T."""
+    tanh = approximate == "tanh"
+    acc_g, acc_u = _accumulators()
+    y, g, u = _run_epilogue(tri, acc_g, acc_u, dtype, tanh, save, True)
+    _check_bound(y.cpu(), (_gelu64(acc_g, tanh) * acc_u.double()).cpu(), (acc_g.abs() * acc_u.abs()).cpu(),
+                 (_gelu64(acc_g, not tanh) * acc_u.double()).cpu(), f"fast y {approximate}")
+    if save:
+        emu.assert_bitwise(g, acc_g.to(dtype), "saved g")
+        emu.assert_bitwise(u, acc_u.to(dtype), "saved u")
+
+
+@pytest.mark.parametrize("fast", [True, False])
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("dtype", HALF)
+def test_saved_derivative_epilogue(tri, dtype, approximate, fast):
+    """SAVE = 2 (training with the saved derivative): y = T(gelu(x) * u), g = T(gelu(x)), u = T(u * gelu'(x)) of
+    the fp32 accumulators x, u. Within the bound of fp64 with and without FAST_EPI; without it, bit for bit the
+    fp32 `_gelu` / `_gelu_grad` (eager's formulas) with each output rounded once."""
+    tanh = approximate == "tanh"
+    acc_g, acc_u = _accumulators()
+    y, g, u = _run_epilogue(tri, acc_g, acc_u, dtype, tanh, 2, fast)
+    x, uu = acc_g.cpu(), acc_u.cpu()
+    ref_h, other_h = _gelu64(x, tanh), _gelu64(x, not tanh)
+    _check_bound(y.cpu(), ref_h * uu.double(), x.abs() * uu.abs(), other_h * uu.double(), f"SAVE=2 y {approximate}")
+    _check_bound(g.cpu(), ref_h, x.abs(), other_h, f"SAVE=2 gelu(g) {approximate}")
+    _check_bound(u.cpu(), uu.double() * _gelu_grad64(x, tanh), (1 + x * x) * uu.abs(),
+                 uu.double() * _gelu_grad64(x, not tanh), f"SAVE=2 u * gelu'(g) {approximate}")
+    if not fast:
+        h32 = _fp32_gelu(acc_g, tanh)
+        emu.assert_bitwise(y, (h32 * acc_u).to(dtype), "SAVE=2 y")
+        emu.assert_bitwise(g, h32.to(dtype), "SAVE=2 gelu(g)")
+        emu.assert_bitwise(u, (acc_u * _fp32_gelu_grad(acc_g, tanh)).to(dtype), "SAVE=2 u * gelu'(g)")
+
+
+@pytest.mark.parametrize("save", [0, 1])
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("dtype", HALF)
+def test_eager_rounding_epilogue(tri, dtype, approximate, save):
+    """FAST_EPI off: the accumulators rounded to T as eager's GEMMs store them, then eager's GeGLU of those, bit
+    for bit: y = T(float(T(gelu(T(acc_g)))) * float(T(acc_u)))."""
+    tanh = approximate == "tanh"
+    acc_g, acc_u = _accumulators()
+    y, g, u = _run_epilogue(tri, acc_g, acc_u, dtype, tanh, save, False)
+    gT, uT = acc_g.to(dtype), acc_u.to(dtype)
+    emu.assert_bitwise(y, _eager_fwd(gT, uT, tanh), f"eager-rounding y {approximate}")
+    if save:
+        emu.assert_bitwise(g, gT, "saved g")
+        emu.assert_bitwise(u, uT, "saved u")
+    # the data tells the GELUs apart at T's precision (the bitwise check above would see the other one)
+    assert not torch.equal(_eager_fwd(gT, uT, not tanh), y)
+
+
+@pytest.mark.parametrize("write_h", [False, True])
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("dtype", HALF)
+def test_fused_backward_epilogue(tri, dtype, approximate, write_h):
+    """`_dgeglu_part`: d_h = T(acc) as eager's GEMM stores it, then eager's backward rounding written over [g | u]
+    (d_gate = T(T(d_h * u) * gelu'(g)), d_up = T(d_h * T(gelu(g)))) and h = T(T(gelu(g)) * u), bit for bit."""
+    tanh = approximate == "tanh"
+    m, n = 2 * BM, 2 * BN
+    dh_acc = (torch.randn(m, n, dtype=torch.float32) * 2).to(DEVICE)
+    acc_g, acc_u = _accumulators(m, n)
+    g, u = acc_g.to(dtype), acc_u.to(dtype)
+    d_gate, d_up = g.clone(), u.clone()
+    h = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)
+    _dgeglu_kernel[(m // BM, n // BN)](dh_acc, d_gate, d_up, h, m, n, TANH=tanh, WRITE_H=write_h, BLOCK_M=BM,
+                                       BLOCK_N=BN, K_BETA_TANH=tri.K_BETA_TANH, K_KAPPA=tri.K_KAPPA,
+                                       K_ALPHA=tri.K_ALPHA, K_BETA_ERF=tri.K_BETA_ERF, K_3KAPPA=tri.K_3KAPPA,
+                                       enable_fp_fusion=False)
+    dy = dh_acc.to(dtype)
+    if g.is_cuda:
+        gg, uu = g.clone().requires_grad_(), u.clone().requires_grad_()
+        (F.gelu(gg, approximate=approximate) * uu).backward(dy)
+        ref_g, ref_u = gg.grad, uu.grad
+    else:
+        ref_g, ref_u = emu.backward(dy, g, u, tanh)
+    emu.assert_bitwise(d_up, ref_u, f"fused d_up {approximate}")
+    emu.assert_bitwise(d_gate, ref_g, f"fused d_gate {approximate}")
+    if write_h:
+        emu.assert_bitwise(h, _eager_fwd(g, u, tanh), f"fused h {approximate}")
+    else:
+        assert torch.isnan(h).all(), "h written without WRITE_H"
