@@ -90,14 +90,22 @@ MUTANTS = [
            "    return (a, b)",
            (NUMERICS,)),
     Mutant("kernel-never-called", "layers never recognise a GELU (the host's own code always runs)",
-           f"{PKG}/layers.py",
-           "def gelu_approximation(act) -> Optional[str]:\n"
-           "    \"\"\"'none' or 'tanh' when ``act`` is a GELU our kernel computes, else None (the host's own code "
+           f"{PKG}/_activations.py",
+           "    \"\"\"'none' (erf) or 'tanh' when ``act`` is a GELU the kernels compute, else None (the host's own code "
            "runs).\"\"\"\n",
-           "def gelu_approximation(act) -> Optional[str]:\n"
-           "    \"\"\"'none' or 'tanh' when ``act`` is a GELU our kernel computes, else None (the host's own code "
+           "    \"\"\"'none' (erf) or 'tanh' when ``act`` is a GELU the kernels compute, else None (the host's own code "
            "runs).\"\"\"\n    return None\n",
-           ("tests/kernel/test_layers.py", "tests/kernel/test_fused_mlp.py")),
+           ("tests/kernel/test_layers.py",)),
+    Mutant("fused-rule-ignored", "the MLP's inference path takes the fused kernel whatever the timing rule said",
+           f"{PKG}/_mlp.py",
+           "    if not use:\n        return None\n    return _fused_forward(",
+           "    if False:\n        return None\n    return _fused_forward(",
+           ("tests/kernel/test_fused_mlp.py::test_inference_times_each_shape_once_and_follows_the_rule",)),
+    Mutant("training-node-order", "the training node's backward sums dx from d_g twice (d_u's GEMM dropped)",
+           f"{PKG}/_mlp.py",
+           "            dx = dx.add_(torch.mm(d_u, w_up)).view(x.shape)",
+           "            dx = dx.add_(torch.mm(d_g, w_up)).view(x.shape)",
+           ("tests/kernel/test_mlp_train.py",)),
     Mutant("fast-epilogue-tanh-for-erf", "the fused inference epilogue computes the tanh GELU for erf",
            f"{PKG}/_fused_mlp_triton.py",
            "            h = _gelu(acc_g, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA)",
@@ -107,11 +115,6 @@ MUTANTS = [
            f"{PKG}/_fused_mlp_triton.py",
            "        if FAST_EPI and TANH:",
            "        if FAST_EPI:",
-           (EPILOGUE,)),
-    Mutant("fused-bwd-rounding-missing", "the fused backward epilogue does not round d_h * u",
-           f"{PKG}/_fused_mlp_triton.py",
-           "    d_hg = _round(dh * uf, T).to(tl.float32)",
-           "    d_hg = dh * uf",
            (EPILOGUE,)),
     Mutant("erf-ptx-coefficient", "a typo in a coefficient of the erf PTX (GPU only: the interpreter never runs it)",
            f"{PKG}/_triton.py",

@@ -1,6 +1,5 @@
-"""The fused MLP's epilogues on given fp32 accumulators: `_fused_mlp_triton._geglu_epilogue` (forward, every
-FAST_EPI / SAVE mode) and `_dgeglu_part` (backward), called from small test kernels on tiles we fill ourselves,
-so the GEMM's accumulation order plays no part.
+"""The fused MLP's epilogue on given fp32 accumulators: `_fused_mlp_triton._geglu_epilogue` (every FAST_EPI / SAVE
+mode), called from a small test kernel on tiles we fill ourselves, so the GEMM's accumulation order plays no part.
 
 * The fast epilogues (FAST_EPI: the GeGLU of the fp32 accumulators, rounded once; SAVE = 2: also gelu(g) and
   u * gelu'(g)) have no eager rounding sequence to match; each output is compared elementwise with fp64 on the same
@@ -15,8 +14,7 @@ so the GEMM's accumulation order plays no part.
   asked (or the reverse) fails.
 * Where the rounding sequence is defined (FAST_EPI off: g and u rounded to T as eager's GEMMs store them, then the
   pointwise GeGLU with eager's rounding; SAVE = 2 without FAST_EPI: `_gelu` / `_gelu_grad` of the fp32
-  accumulator, each output rounded once; the backward epilogue: d_h rounded, then eager's mul / gelu_backward
-  rounding), the outputs are compared bit for bit with an emulation of that sequence: tests/kernel/_emulation.py
+  accumulator, each output rounded once), the outputs are compared bit for bit with an emulation of that sequence: tests/kernel/_emulation.py
   under the interpreter, eager's own fp32 ops on a GPU.
 """
 
@@ -42,7 +40,6 @@ BM, BN = 16, 32  # test tiles; the tensors are whole tiles (the epilogues' masks
 # The package's jit functions under test, set by the `tri` fixture: the kernel module is the one `kernels` loaded
 # from the build (its name depends on the build), and the test kernels below resolve these globals when they run.
 _geglu_epilogue = None
-_dgeglu_part = None
 
 
 @triton.jit
@@ -62,26 +59,11 @@ def _epilogue_kernel(acc_g_ptr, acc_u_ptr, y_ptr, g_ptr, u_ptr, N,
     tl.store(u_ptr + offs, u)
 
 
-@triton.jit
-def _dgeglu_kernel(dh_ptr, g_ptr, u_ptr, h_ptr, M, N,
-                   TANH: tl.constexpr, WRITE_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr,
-                   K_BETA_ERF: tl.constexpr, K_3KAPPA: tl.constexpr):
-    off_m = tl.program_id(0) * BLOCK_M
-    off_n = tl.program_id(1) * BLOCK_N
-    rows = off_m + tl.arange(0, BLOCK_M)
-    cols = off_n + tl.arange(0, BLOCK_N)
-    dh_acc = tl.load(dh_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :])
-    _dgeglu_part(dh_acc, off_m, off_n, g_ptr, u_ptr, h_ptr, M, N, N, N, N, g_ptr.dtype.element_ty, TANH, WRITE_H,
-                 False, BLOCK_M, BLOCK_N, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA)
-
-
 @pytest.fixture(scope="module")
 def tri(geglu):
     """The loaded kernel's _triton module (eager's constants); binds the epilogues under test for the kernels above."""
     mod = importlib.import_module(geglu.__name__ + "._fused_mlp_triton")
     globals()["_geglu_epilogue"] = mod._geglu_epilogue
-    globals()["_dgeglu_part"] = mod._dgeglu_part
     return importlib.import_module(geglu.__name__ + "._triton")
 
 
@@ -213,35 +195,3 @@ def test_eager_rounding_epilogue(tri, dtype, approximate, save):
         emu.assert_bitwise(u, uT, "saved u")
     # the data tells the GELUs apart at T's precision (the bitwise check above would see the other one)
     assert not torch.equal(_eager_fwd(gT, uT, not tanh), y)
-
-
-@pytest.mark.parametrize("write_h", [False, True])
-@pytest.mark.parametrize("approximate", APPROX)
-@pytest.mark.parametrize("dtype", HALF)
-def test_fused_backward_epilogue(tri, dtype, approximate, write_h):
-    """`_dgeglu_part`: d_h = T(acc) as eager's GEMM stores it, then eager's backward rounding written over [g | u]
-    (d_gate = T(T(d_h * u) * gelu'(g)), d_up = T(d_h * T(gelu(g)))) and h = T(T(gelu(g)) * u), bit for bit."""
-    tanh = approximate == "tanh"
-    m, n = 2 * BM, 2 * BN
-    dh_acc = (torch.randn(m, n, dtype=torch.float32) * 2).to(DEVICE)
-    acc_g, acc_u = _accumulators(m, n)
-    g, u = acc_g.to(dtype), acc_u.to(dtype)
-    d_gate, d_up = g.clone(), u.clone()
-    h = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)
-    _dgeglu_kernel[(m // BM, n // BN)](dh_acc, d_gate, d_up, h, m, n, TANH=tanh, WRITE_H=write_h, BLOCK_M=BM,
-                                       BLOCK_N=BN, K_BETA_TANH=tri.K_BETA_TANH, K_KAPPA=tri.K_KAPPA,
-                                       K_ALPHA=tri.K_ALPHA, K_BETA_ERF=tri.K_BETA_ERF, K_3KAPPA=tri.K_3KAPPA,
-                                       enable_fp_fusion=False)
-    dy = dh_acc.to(dtype)
-    if g.is_cuda:
-        gg, uu = g.clone().requires_grad_(), u.clone().requires_grad_()
-        (F.gelu(gg, approximate=approximate) * uu).backward(dy)
-        ref_g, ref_u = gg.grad, uu.grad
-    else:
-        ref_g, ref_u = emu.backward(dy, g, u, tanh)
-    emu.assert_bitwise(d_up, ref_u, f"fused d_up {approximate}")
-    emu.assert_bitwise(d_gate, ref_g, f"fused d_gate {approximate}")
-    if write_h:
-        emu.assert_bitwise(h, _eager_fwd(g, u, tanh), f"fused h {approximate}")
-    else:
-        assert torch.isnan(h).all(), "h written without WRITE_H"

@@ -1,6 +1,8 @@
 """Hub layers through kernels' own kernelize: the layer rules hold (kernels validates them on load), outputs and
 gradients equal the host's eager computation, and a non-GELU activation keeps the host's own math."""
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -58,8 +60,20 @@ def _device():
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@pytest.fixture
+def kernel_calls(geglu, monkeypatch):
+    """The names of the pointwise implementation entries that ran (``_run_fwd`` / ``_run_bwd``: every CPU and Triton
+    call goes through them; on CUDA the compiled library's lean paths do not, so tests assert on CPU)."""
+    ops = importlib.import_module(geglu.__name__ + "._custom_ops")
+    calls = []
+    for name in ("_run_fwd", "_run_bwd"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, _n=name, _r=real, **k: calls.append(_n) or _r(*a, **k))
+    return calls
+
+
 @pytest.mark.parametrize("act", [nn.GELU(), nn.GELU(approximate="tanh"), GeluTanh()], ids=["erf", "tanh", "GELUTanh"])
-def test_mlp_inference_and_training(build_dir, act):
+def test_mlp_inference_and_training(build_dir, act, kernel_calls):
     device = _device()
     torch.manual_seed(0)
     model = nn.Sequential(GatedMLP(16, 40, act), GatedMLP(16, 40, act)).to(device)
@@ -73,14 +87,22 @@ def test_mlp_inference_and_training(build_dir, act):
 
     y, y_ref = model(x), ref_model(x)
     assert torch.equal(y, y_ref)
+    if device == "cpu":  # the training step ran as our node, with our forward kernel in each MLP
+        assert type(y.grad_fn).__name__ == "GeGLUMLPFunctionBackward" and kernel_calls == ["_run_fwd"] * 2
     dy = randn(*y.shape, dtype=torch.float32, device=device)
     y.backward(dy)
     y_ref.backward(dy)
+    if device == "cpu":
+        assert kernel_calls.count("_run_bwd") == 2
+    with torch.no_grad():
+        assert torch.equal(model(x), ref_model(x))
+    if device == "cpu":
+        assert kernel_calls.count("_run_fwd") == 4
     for (name, p), p_ref in zip(model.named_parameters(), ref_model.parameters()):
         torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-5, atol=1e-6, msg=f"gradient of {name}")
 
 
-def test_non_gelu_activation_keeps_host_math(build_dir):
+def test_non_gelu_activation_keeps_host_math(build_dir, kernel_calls):
     device = _device()
     model = GatedMLP(8, 24, nn.SiLU()).to(device)
     x = randn(4, 8, dtype=torch.float32, device=device)
@@ -89,9 +111,10 @@ def test_non_gelu_activation_keeps_host_math(build_dir):
         kernelize(model, mode=Mode.INFERENCE, device=device)
     assert model.forward.__func__.__qualname__.endswith("GeGLUMLP.forward")  # swapped, but falls back inside
     assert torch.equal(model(x), ref)
+    assert not kernel_calls
 
 
-def test_packed_layers(build_dir):
+def test_packed_layers(build_dir, kernel_calls):
     device = _device()
     model = nn.Sequential(PackedGelu(), PackedGeluTanh()).to(device)
     with use_kernel_mapping(_mapping(build_dir, "GeluAndMul", "GeluTanhAndMul")):
@@ -106,10 +129,14 @@ def test_packed_layers(build_dir):
     h1, h2 = h.chunk(2, dim=-1)
     ref = F.gelu(h1.contiguous(), approximate="tanh") * h2.contiguous()
     assert torch.equal(y, ref)
+    if device == "cpu":
+        assert type(y.grad_fn).__name__ == "EagerGeGLUPackedBackward" and kernel_calls == ["_run_fwd"] * 2
     dy = randn(*y.shape, dtype=torch.bfloat16, device=device)
     y.backward(dy)
     ref.backward(dy)
     assert torch.equal(x.grad, x_ref.grad)
+    if device == "cpu":
+        assert kernel_calls.count("_run_bwd") == 2
 
 
 def test_compile_mode_accepted(build_dir):
