@@ -22,10 +22,14 @@ from ._ops import HAS_CUDA_LIB
 BACKENDS = _config.BACKENDS
 CUDA_LIB_BELOW = 1 << 21
 
-# Under 'auto', eager calls that record a gradient on CUDA tensors below this many elements run PyTorch's own ops
-# (``F.gelu(gate) * up``: the same values and gradients bit for bit). There the kernels save a few µs of GPU time
-# per forward+backward, less than a Python autograd node costs the host over eager's C++ nodes.
-AUTOGRAD_EAGER_BELOW = 1 << 21
+# Under 'auto', eager calls of the pointwise functions that record a gradient on CUDA tensors below this many
+# elements run PyTorch's own ops (``F.gelu(gate) * up``: the same values and gradients bit for bit). Below it the
+# step is host-bound: the GPU time the kernels save is less than what a Python autograd node costs the host over
+# eager's two C++ nodes (the pointwise benchmark's autograd rows time both at every size).
+AUTOGRAD_EAGER_BELOW = 1 << 26
+# The same for GeGLUMLP's training step as one node ([M, H] elements): its GPU work (five GEMMs) hides the node's
+# host cost from far smaller sizes on.
+NODE_EAGER_BELOW = 1 << 21
 
 OP, PLAIN, AUTOGRAD = 0, 1, 2
 _is_compiling = torch.compiler.is_compiling
@@ -65,9 +69,9 @@ def get_backend() -> str:
     return _config.current.backend
 
 
-def eager_autograd(numel: int) -> bool:
+def eager_autograd(numel: int, below: int = AUTOGRAD_EAGER_BELOW) -> bool:
     """True when a CUDA call of ``numel`` elements that records a gradient should run PyTorch's own ops."""
-    return _config.current.backend == "auto" and numel < AUTOGRAD_EAGER_BELOW
+    return _config.current.backend == "auto" and numel < below
 
 
 def impl_for(device_type: str, numel: int) -> str:

@@ -7,7 +7,7 @@
   GEMM (the GeGLU in its epilogue, ``_fused_mlp_triton``) where a one-time timing per shape bucket on the device says
   it is at least 1 % faster.
 * **Eager training**: one autograd node, :class:`GeGLUMLPFunction` (below). Small CUDA steps (under
-  ``_backend.AUTOGRAD_EAGER_BELOW`` [M, H] elements) are host-bound and run PyTorch's own ops with the host's
+  ``_backend.NODE_EAGER_BELOW`` [M, H] elements) are host-bound and run PyTorch's own ops with the host's
   activation instead: a Python node costs the host more than eager's C++ nodes.
 * **torch.compile, tracing, tensor subclasses**: the custom ops ``geglu_mlp`` (inference) and ``geglu_mlp_train`` /
   ``geglu_mlp_train_backward`` (training), with fake implementations. Every shape-dependent choice above (decode
@@ -252,9 +252,10 @@ def fused_is_faster(fused, regular_fn, device: torch.device, rounds: int = 11, r
 
 
 def host_bound(x: Tensor, w_gate: Tensor) -> bool:
-    """A small CUDA step under the 'auto' backend (fewer than ``_backend.AUTOGRAD_EAGER_BELOW`` [M, H] elements):
+    """A small CUDA step under the 'auto' backend (fewer than ``_backend.NODE_EAGER_BELOW`` [M, H] elements):
     host-bound, and a Python autograd node costs the host more than eager's C++ ones."""
-    return x.is_cuda and _backend.eager_autograd(x.numel() // max(x.shape[-1], 1) * w_gate.shape[0])
+    return x.is_cuda and _backend.eager_autograd(x.numel() // max(x.shape[-1], 1) * w_gate.shape[0],
+                                                 _backend.NODE_EAGER_BELOW)
 
 
 def applies(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> bool:
