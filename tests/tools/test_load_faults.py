@@ -14,7 +14,7 @@ from toolhelpers import (
     cache_ref,
     run_kernels,
 )
-from kerneltools.hub_store import CRASH_ENV
+from kerneltools.hub.storage import CRASH_ENV
 from kerneltools.lock import PrefetchError, prefetch
 
 # huggingface_hub retries a lost connection, sleeping up to 8 s between tries (about 25 s in all) before it gives
