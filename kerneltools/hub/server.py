@@ -43,6 +43,7 @@ DEFAULT_TRUSTED_ORGS = ("geglu-kernels",)
 DEFAULT_MAX_COMMIT_BYTES = 2 * 1024**3
 DEFAULT_MAX_CONNECTIONS = 256
 DEFAULT_TIMEOUT = 30.0
+DEFAULT_STALE_LOCK_SECONDS = 5.0
 _TYPE_BY_PLURAL = {f"{t}s": t for t in REPO_TYPES}
 _URL_PREFIX = {"model": "", "dataset": "datasets/", "space": "spaces/", "kernel": "kernels/"}
 READ, WRITE = "read", "write"
@@ -403,10 +404,12 @@ def _parse_range(header: str, size: int):
 
 def make_server(root, host: str = "127.0.0.1", port: int = 0, *, quiet: bool = False,
                 max_commit_bytes: int = DEFAULT_MAX_COMMIT_BYTES, max_connections: int = DEFAULT_MAX_CONNECTIONS,
-                timeout: float = DEFAULT_TIMEOUT, public_url: str | None = None) -> HubHTTPServer:
+                timeout: float = DEFAULT_TIMEOUT, public_url: str | None = None,
+                stale_lock_seconds: float = DEFAULT_STALE_LOCK_SECONDS) -> HubHTTPServer:
     """A bound (not yet serving) server; port 0 binds a free port, ``.url`` says which."""
-    return HubHTTPServer((host, port), GitStore(root), quiet=quiet, max_commit_bytes=max_commit_bytes,
-                         max_connections=max_connections, timeout=timeout, public_url=public_url)
+    return HubHTTPServer((host, port), GitStore(root, stale_lock_seconds=stale_lock_seconds), quiet=quiet,
+                         max_commit_bytes=max_commit_bytes, max_connections=max_connections, timeout=timeout,
+                         public_url=public_url)
 
 
 def provision(root, trusted_orgs=DEFAULT_TRUSTED_ORGS, write_orgs=None, user: str = "publisher") -> str:
@@ -535,7 +538,8 @@ class HubProcess:
 
 def _thread_options(server_args: list[str]) -> dict:
     ns = _serve_options(argparse.ArgumentParser()).parse_args(server_args)
-    return dict(max_commit_bytes=ns.max_commit_bytes, max_connections=ns.max_connections, timeout=ns.timeout)
+    return dict(max_commit_bytes=ns.max_commit_bytes, max_connections=ns.max_connections, timeout=ns.timeout,
+                stale_lock_seconds=ns.stale_lock_seconds)
 
 
 @contextlib.contextmanager
@@ -573,6 +577,9 @@ def _serve_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
                    help=f"seconds a connection may stay silent, idle or mid-request (default {DEFAULT_TIMEOUT:g}); "
                         "a stalled body gets 408")
+    p.add_argument("--stale-lock-seconds", type=float, default=DEFAULT_STALE_LOCK_SECONDS,
+                   help="age after which a git ref lock that no server process holds is removed (default "
+                        f"{DEFAULT_STALE_LOCK_SECONDS:g}; docs/hub-server.md)")
     return p
 
 
@@ -595,7 +602,8 @@ def add_parser(subparsers) -> None:
 def main(args) -> int:
     try:
         server = make_server(args.root, args.host, args.port, quiet=args.quiet, max_commit_bytes=args.max_commit_bytes,
-                             max_connections=args.max_connections, timeout=args.timeout, public_url=args.public_url)
+                             max_connections=args.max_connections, timeout=args.timeout, public_url=args.public_url,
+                             stale_lock_seconds=args.stale_lock_seconds)
         cfg = server.auth.current()
     except OSError as e:
         print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror or e}. Pick another --port "

@@ -226,3 +226,100 @@ def test_wrong_methods_and_unknown_endpoints(hub, krepo):
     _assert_error(raw_request(hub.url, "GET", "/api/kernels/%ff%fe/x"), 400, text="UTF-8")
     _assert_error(_write(hub, "POST", f"/api/kernels/{REPO}/commit/v1?create_pr=1",
                          commit_ndjson(HDR, file_item("x", b"x")), NDJSON), 400, text="Pull requests")
+
+
+# --- what used to be a 500, or accepted and then broke the clients (issue 18) --------------------------------------
+
+NESTED = b"[" * 100_000 + b"]" * 100_000
+
+
+@pytest.mark.parametrize("where", ["create", "preupload", "tag", "paths-info", "commit line", "long commit line"])
+def test_deeply_nested_json_is_a_400(hub, krepo, where):
+    path, ctype, body = {
+        "create": ("/api/repos/create", JSON, NESTED),
+        "preupload": (f"/api/kernels/{REPO}/preupload/v1", JSON, b'{"files": ' + NESTED + b"}"),
+        "tag": (f"/api/kernels/{REPO}/tag/v1", JSON, b'{"tag": ' + NESTED + b"}"),
+        "paths-info": (f"/api/kernels/{REPO}/paths-info/v1", JSON, b'{"paths": ' + NESTED + b"}"),
+        "commit line": (f"/api/kernels/{REPO}/commit/v1", NDJSON, commit_ndjson(HDR) + NESTED + b"\n"),
+        "long commit line": (f"/api/kernels/{REPO}/commit/v1", NDJSON,
+                             commit_ndjson(HDR) + b"[" * 2_000_000 + b"]" * 2_000_000 + b"\n"),
+    }[where]
+    _assert_error(_write(hub, "POST", path, body, ctype), 400, text="nested")
+
+
+@pytest.mark.parametrize("rev", ["\x00", "v1\x00", "\x7f", "\n"])
+def test_revisions_with_control_characters(hub, krepo, rev):
+    enc = quote(rev, safe="")
+    for path in (f"/api/kernels/{REPO}/revision/{enc}", f"/api/kernels/{REPO}/tree/{enc}",
+                 f"/kernels/{REPO}/resolve/{enc}/build/torch-cpu/a.py", f"/api/kernels/{REPO}/commits/{enc}"):
+        _assert_error(raw_request(hub.url, "GET", path), 404, "RevisionNotFound")
+    _assert_error(_commit(hub, commit_ndjson(HDR, file_item("x", b"x")), rev=rev), 404, "RevisionNotFound")
+    _assert_error(_write(hub, "POST", f"/api/kernels/{REPO}/branch/{enc}", b"{}", JSON), 400, text="Invalid branch")
+    _assert_error(_write(hub, "POST", f"/api/kernels/{REPO}/branch/new", json.dumps({"startingPoint": rev}).encode(),
+                         JSON), 404, "RevisionNotFound")
+
+
+@pytest.mark.parametrize("path, text", [
+    ("build/" + "a" * 300 + ".py", "longer than 255 bytes"),  # the client's cache cannot hold the file (ENAMETOOLONG)
+    ("build/" + "\u00e9" * 128, "longer than 255 bytes"),  # 256 bytes in UTF-8
+    ("a/" * 2000 + "x", "longer than 1024 bytes"),  # deep paths made huggingface_hub recurse out of stack
+    ("a/" * 64 + "x", "more than 64 components"),
+    (" ", "white space"), ("build/ /x", "white space"), ("build/x ", "white space"), (" build/x", "white space"),
+    (".git ", ".git"), ("build/.git./hooks/x", ".git"), ("build/.GIT/x", ".git"),
+    ("...", "all-dots"), ("build/.../x", "all-dots"),
+])
+def test_paths_the_clients_cannot_use_are_refused(hub, krepo, path, text):
+    _assert_error(_commit(hub, commit_ndjson(HDR, file_item(path, b"x"))), 400, text=text)
+    body = json.dumps({"files": [{"path": path, "sample": "", "size": 1}]}).encode()
+    _assert_error(_write(hub, "POST", f"/api/kernels/{REPO}/preupload/v1", body, JSON), 400, text="Invalid path")
+
+
+@pytest.mark.parametrize("name", ["@", "v1/@", "x" * 201, "a/" + "b" * 201, "é" * 101])
+def test_ref_names_the_clients_cannot_use_are_refused(hub, krepo, name):
+    enc = quote(name, safe="")
+    _assert_error(_write(hub, "POST", f"/api/kernels/{REPO}/branch/{enc}", b"{}", JSON), 400,
+                  text="Invalid branch name")
+    _assert_error(_write(hub, "POST", f"/api/kernels/{REPO}/tag/v1", json.dumps({"tag": name}).encode(), JSON), 400,
+                  text="Invalid tag name")
+
+
+@pytest.mark.parametrize("org", ["api", "API", "kernels", "datasets", "spaces", "models", "organizations"])
+@pytest.mark.parametrize("repo_type", ["model", "kernel"])
+def test_namespaces_the_urls_use_are_reserved(hub, krepo, org, repo_type):
+    """A model repo api/x would have file URLs /api/x/resolve/..., which are API routes: it could be created but
+    not downloaded. The Hub reserves these names for every repo type; so does this server."""
+    body = json.dumps({"name": "x", "organization": org, "type": repo_type}).encode()
+    _assert_error(_write(hub, "POST", "/api/repos/create", body, JSON), 400, text="it is reserved")
+    assert not (hub.root / f"{repo_type}s" / org).exists()
+
+
+def test_two_servers_creating_the_same_repos(hub, krepo):
+    """Two server processes on one root get the same create requests at the same moment: each repo is created
+    once (200) and refused once (409), never a 500 (it was ENOTEMPTY), and no staging directory stays behind."""
+    import threading
+
+    from kerneltools.hub import HubProcess
+
+    other = HubProcess(hub.root, token=hub.token).start()
+    try:
+        names = [f"race{i}" for i in range(12)]
+        statuses = {n: [] for n in names}
+        barrier = threading.Barrier(2)
+
+        def creator(url):
+            for n in names:
+                body = json.dumps({"name": n, "organization": TRUSTED_ORG, "type": "kernel"}).encode()
+                barrier.wait()
+                statuses[n].append(raw_request(url, "POST", "/api/repos/create", body, JSON, token=hub.token)[0])
+
+        threads = [threading.Thread(target=creator, args=(u,)) for u in (hub.url, other.url)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        other.stop()
+    assert all(sorted(v) == [200, 409] for v in statuses.values()), statuses
+    assert [p.name for p in (hub.root / ".tmp").rglob("create-*")] == []
+    for n in names:
+        repo_state(hub, f"{TRUSTED_ORG}/{n}")  # complete and fsck-clean
