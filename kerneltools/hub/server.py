@@ -327,13 +327,9 @@ class HubRequestHandler(HubHandlerBase):
         tmp = self.server.store.new_tmpdir()
         try:
             payload = read_commit_payload(body, tmp, on_header=lambda: maybe_crash("after-commit-header"))
-            oids = iter(repo.write_blobs(payload.files))
-            for op in payload.ops:
-                if op.kind == "add":
-                    op.blob = next(oids)
             h = payload.header
             sha = repo.commit(rev, payload.ops, h["summary"], h.get("description") or "",
-                              parent_commit=h.get("parentCommit"), user=self.ident.user)
+                              parent_commit=h.get("parentCommit"), user=self.ident.user, files=payload.files)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         self.send_json({"success": True, "commitOid": sha, "hookOutput": "",

@@ -20,9 +20,11 @@ Writes:
   reports success), and ``core.logAllRefUpdates=always`` keeps a reflog of every branch and tag, with the token's
   user as the committer. Because git drops the reflog of a deleted ref, the server also appends each ref change to
   ``hub-audit.log`` in the bare repo (JSON lines: time, user, operation, ref, old and new id).
-- Child processes: every git process is started through ``setpriv --pdeathsig KILL`` where that exists, so it is
-  killed when the server thread that started it dies (a killed server leaves no orphaned ``git hash-object``
-  writing objects nobody will reference), and it is killed by its request when the request fails.
+- Child processes: the git processes that handle file contents of any size (``hash-object``, ``cat-file blob``) are
+  started through ``setpriv --pdeathsig KILL`` where that exists, so they die with the server thread that started
+  them (a killed server leaves no orphaned ``git hash-object``), and a download's ``cat-file`` is killed when its
+  client goes away. New blobs are written into a quarantine under the server's scratch space first
+  (:meth:`Repo.quarantine`), so whatever such a process leaves half-written never lands in a repository.
 
 Every git call goes through :func:`run_git` with an argument list (never a shell); client-supplied names reach git
 only after validation (:mod:`.names`), behind fixed prefixes (``refs/heads/``) or as stdin data.
@@ -63,13 +65,15 @@ _PARENT_RE = re.compile(r"^[0-9a-fA-F]{5,40}$")
 _LOCK_EXISTS_RE = re.compile(r"Unable to create '([^']+\.lock)': File exists")
 # test-only fault injection (see docs/hub-server.md): crash the server process at a named point of a commit
 CRASH_ENV = "KERNELTOOLS_HUB_CRASH_AT"
-# git settings for every call: durable objects and refs, a reflog for every ref, big blobs streamed into packs
-# (hash-object and cat-file then never hold a whole large file in memory)
+# git settings for every call: durable objects and refs, a reflog for every ref, big blobs streamed into packs and
+# read through small pack windows (hash-object and cat-file then never hold or map a whole large file)
 GIT_CONFIG = {
     "core.fsync": "committed",
     "core.fsyncMethod": "batch",
     "core.logAllRefUpdates": "always",
     "core.bigFileThreshold": "16m",
+    "core.packedGitWindowSize": "4m",
+    "core.packedGitLimit": "16m",
 }
 _SETPRIV = shutil.which("setpriv")
 
@@ -109,18 +113,21 @@ def git_env(user: str = SERVER_USER, extra: dict | None = None) -> dict:
     return env
 
 
-def git_command(git_dir: Path | None, *args: str) -> list[str]:
-    """The argv of one git call: killed with the server thread that starts it (setpriv --pdeathsig)."""
-    prefix = [_SETPRIV, "--pdeathsig", "KILL"] if _SETPRIV else []
+def git_command(git_dir: Path | None, *args: str, tied: bool = False) -> list[str]:
+    """The argv of one git call; ``tied``: killed when the server thread that starts it dies (setpriv --pdeathsig),
+    for the calls that handle file contents of any size (hash-object, cat-file blob). The others handle a few
+    bytes of metadata and end within milliseconds anyway."""
+    prefix = [_SETPRIV, "--pdeathsig", "KILL"] if tied and _SETPRIV else []
     return prefix + ["git"] + ([f"--git-dir={git_dir}"] if git_dir is not None else []) + list(args)
 
 
 def run_git(git_dir: Path | None, *args: str, input: bytes | None = None, env: dict | None = None,
-            check: bool = True, user: str = SERVER_USER):
+            check: bool = True, user: str = SERVER_USER, tied: bool = False):
     """stdout of a git call (check=True), or the CompletedProcess. A full disk is a 507, never a 500."""
-    r = subprocess.run(git_command(git_dir, *args), input=input, capture_output=True, env=git_env(user, env),
-                       cwd=str(git_dir) if git_dir is not None else None)
-    if r.returncode != 0 and (b"No space left on device" in r.stderr or b"Disk quota exceeded" in r.stderr):
+    r = subprocess.run(git_command(git_dir, *args, tied=tied), input=input, capture_output=True,
+                       env=git_env(user, env), cwd=str(git_dir) if git_dir is not None else None)
+    if r.returncode != 0 and any(m in r.stderr for m in (b"No space left on device", b"Out of diskspace",
+                                                          b"Disk quota exceeded")):
         raise disk_full("The Hub server's disk is full; nothing was stored. Free space on the server and retry.")
     if check and r.returncode != 0:
         raise GitFailed(args, r.returncode, r.stderr)
@@ -279,8 +286,8 @@ class Repo:
         self.store, self.path, self.repo_type, self.repo_id = store, path, repo_type, repo_id
 
     def git(self, *args: str, input: bytes | None = None, env: dict | None = None, check: bool = True,
-            user: str = SERVER_USER):
-        return run_git(self.path, *args, input=input, env=env, check=check, user=user)
+            user: str = SERVER_USER, tied: bool = False):
+        return run_git(self.path, *args, input=input, env=env, check=check, user=user, tied=tied)
 
     def writer_lock(self):
         return file_lock(self.path / "hub-writer.flock", self.store.lock_timeout, f"Repository '{self.repo_id}'")
@@ -289,9 +296,8 @@ class Repo:
         rec = {"time": format_date(time.time()), "user": user, "op": op, "ref": ref, "old": old or ZERO_OID,
                "new": new or ZERO_OID}
         fd = os.open(self.path / "hub-audit.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
+        try:  # one write per record (O_APPEND: whole lines, in the order of the writer lock)
             os.write(fd, (json.dumps(rec) + "\n").encode())
-            os.fsync(fd)
         finally:
             os.close(fd)
 
@@ -397,49 +403,91 @@ class Repo:
 
     def open_blob(self, oid: str) -> subprocess.Popen:
         """A streaming ``git cat-file blob``; the caller reads its stdout and must kill and wait for it."""
-        return subprocess.Popen(git_command(self.path, "cat-file", "blob", oid), stdout=subprocess.PIPE,
+        return subprocess.Popen(git_command(self.path, "cat-file", "blob", oid, tied=True), stdout=subprocess.PIPE,
                                 stderr=subprocess.DEVNULL, env=git_env(), cwd=str(self.path))
 
     # ---------------------------------------------------------------- writing
 
-    def write_blobs(self, files: list[Path]) -> list[str]:
-        """Store files as blobs (one git call, streaming: big files go straight into a pack); their object ids."""
+    def write_blobs(self, files: list[Path], env: dict | None = None) -> list[str]:
+        """Store files as blobs (one git call, streaming: big files go straight into a pack); their object ids.
+        ``env`` from :meth:`quarantine` writes them there instead of into the repository."""
         if not files:
             return []
         out = self.git("hash-object", "-w", "--no-filters", "--stdin-paths",
-                       input="".join(f"{f}\n" for f in files).encode())
+                       input="".join(f"{f}\n" for f in files).encode(), env=env, tied=True)
         oids = out.decode().split()
         if len(oids) != len(files):
             raise GitFailed(("hash-object",), 0, f"{len(oids)} object ids for {len(files)} files".encode())
         return oids
 
+    @contextlib.contextmanager
+    def quarantine(self):
+        """A private object directory under the server's scratch space for the objects of one commit, as git's
+        receive-pack does: git reads the repository's objects (alternates) and writes new ones here. They move
+        into the repository just before the ref update (:meth:`_migrate`); a request that fails, or a server that
+        dies, leaves nothing in the repository (a dead server's scratch is removed at the next start)."""
+        qdir = self.store.new_tmpdir("objects-")
+        (qdir / "pack").mkdir()
+        try:
+            yield qdir, {"GIT_OBJECT_DIRECTORY": str(qdir),
+                         "GIT_ALTERNATE_OBJECT_DIRECTORIES": str(self.path / "objects")}
+        finally:
+            shutil.rmtree(qdir, ignore_errors=True)
+
+    def _migrate(self, qdir: Path) -> None:
+        """Move quarantined objects into the repository: loose objects, then packs (each .idx after its .pack, so
+        that git never sees an index without its pack). Objects already there stay as they are. git has fsynced
+        their contents (core.fsync); the renames are journaled in order before the later rename that updates the
+        ref, and the pack folder (rarely touched) is fsynced as well."""
+        objects = self.path / "objects"
+        for sub in sorted(p for p in qdir.iterdir() if len(p.name) == 2 and p.is_dir()):
+            (objects / sub.name).mkdir(exist_ok=True)
+            for f in sub.iterdir():
+                if not f.name.startswith("tmp_") and not (objects / sub.name / f.name).exists():
+                    os.rename(f, objects / sub.name / f.name)
+        packs = sorted((qdir / "pack").glob("pack-*"), key=lambda p: (p.suffix == ".idx", p.name))
+        for f in packs:
+            if not (objects / "pack" / f.name).exists():
+                os.rename(f, objects / "pack" / f.name)
+        if packs:
+            _fsync_dir(objects / "pack")
+
     def _build_tree(self, head: str, ops: list[CommitOp]) -> str:
+        """The tree of ``head`` with ops applied: its files listed (ls-tree), a fresh temporary index filled with
+        the result (update-index), written (write-tree); three git calls whatever the commit."""
+        before, modes = {}, {}
+        for rec in self.git("ls-tree", "-r", "-z", "--full-tree", head).decode().split("\0"):
+            if rec:
+                meta, p = rec.split("\t", 1)
+                mode, _, before[p] = meta.split()
+                modes[(p, before[p])] = mode  # kept for unchanged entries (an executable added by hand stays one)
+        after = _apply_ops(self.repo_id, before, ops)
         index = self.store.tmp / f"index-{uuid.uuid4().hex}"
         env = {"GIT_INDEX_FILE": str(index)}
         try:
-            self.git("read-tree", head, env=env)
-            before = {}
-            for rec in self.git("ls-files", "-z", "--stage", env=env).decode().split("\0"):
-                if rec:
-                    meta, p = rec.split("\t", 1)
-                    before[p] = meta.split()[1]
-            after = _apply_ops(self.repo_id, before, ops)
-            recs = [f"0 {ZERO_OID}\t{p}\0" for p in before if p not in after]
-            recs += [f"100644 {oid}\t{p}\0" for p, oid in after.items() if before.get(p) != oid]
+            recs = "".join(f"{modes.get((p, oid), '100644')} {oid}\t{p}\0" for p, oid in after.items())
             if recs:
-                self.git("update-index", "-z", "--index-info", input="".join(recs).encode(), env=env)
+                self.git("update-index", "-z", "--index-info", input=recs.encode(), env=env)
             return self.git("write-tree", env=env).decode().strip()
         finally:
             index.unlink(missing_ok=True)
 
     def commit(self, rev: str, ops: list[CommitOp], summary: str, description: str = "",
-               parent_commit: str | None = None, user: str = SERVER_USER) -> str:
-        """Commit ops on top of branch rev, atomically, as ``user``. With parent_commit, 412 unless the branch head
-        is it; without, a branch moved by a writer outside the server makes this one rebuild on the new head."""
+               parent_commit: str | None = None, user: str = SERVER_USER, files: list[Path] | None = None) -> str:
+        """Commit ops on top of branch rev, atomically, as ``user``; ``files`` are the contents of the "add" ops
+        without a blob, in order. With parent_commit, 412 unless the branch head is it; without, a branch moved by
+        a writer outside the server makes this one rebuild on the new head."""
         if parent_commit is not None and not (isinstance(parent_commit, str) and _PARENT_RE.match(parent_commit)):
             raise HubError(400, f"Invalid parentCommit {parent_commit!r}: expected a commit id (5-40 hex digits).")
         ref = self.branch_ref(rev)
         message = summary.strip() + ("\n\n" + description.strip() if description and description.strip() else "")
+        if files:  # the slow part (big files), outside the writer lock and outside the repository
+            with self.quarantine() as (qdir, qenv):
+                oids = iter(self.write_blobs(files, env=qenv))
+                for op in ops:
+                    if op.kind == "add" and op.blob is None:
+                        op.blob = next(oids)
+                self._migrate(qdir)  # whole blobs only, referenced by nothing until the ref update below
         with self.writer_lock():
             for _ in range(10):
                 head = self.ref_sha(ref)

@@ -289,10 +289,14 @@ def read_commit_payload(body: BodyReader, tmp: Path, on_header=lambda: None) -> 
         lineno += 1
         sink = tmp / f"{len(out.files)}"
         if line is None:
+            parser = _LongLine(s, lineno, sink)
             try:
-                item = _LongLine(s, lineno, sink).parse()
+                item = parser.parse()
             except (ValueError, binascii.Error) as e:
                 raise _malformed(f"the content on line {lineno} is not valid base64 ({e}).") from None
+            finally:
+                if parser.spilled is not None:
+                    parser.spilled.f.close()
         elif not line.strip():
             continue
         else:
