@@ -27,7 +27,6 @@ CLI::
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime as _dt
 import hashlib

@@ -25,7 +25,7 @@ import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from .errors import HubError, busy, disk_full
+from .errors import HubError, disk_full
 
 MAX_JSON_BODY = 4 * 1024 * 1024
 MAX_JSON_DEPTH = 64
@@ -394,7 +394,8 @@ def _linger(sock, max_bytes: int = 64 << 20, max_seconds: float = 2.0) -> None:
         pass
 
 
-def write_request_problem(headers, server_origins: set[str], has_body: bool, content_types=_WRITE_CONTENT_TYPES):
+def write_request_problem(headers, server_origins: set[str], server_hosts: set[str], has_body: bool,
+                          content_types=_WRITE_CONTENT_TYPES):
     """Why a write request is refused as possibly cross-site, or None.
 
     Writes already need ``Authorization: Bearer`` (which a browser never adds to a cross-site request without a
@@ -404,7 +405,7 @@ def write_request_problem(headers, server_origins: set[str], has_body: bool, con
     if origin is not None and origin.rstrip("/").lower() not in server_origins:
         return f"Cross-site write refused: Origin {origin!r} is not this server."
     host = (headers.get("Host") or "").strip().lower()
-    if host and f"http://{host}" not in server_origins:
+    if host and host not in server_hosts:
         return f"Write refused: Host {host!r} is not this server's address (a DNS-rebinding or proxy mix-up?)."
     if has_body:
         ctype = (headers.get("Content-Type") or "").split(";", 1)[0].strip().lower()

@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, urlsplit
 
 from . import auth
 from .errors import HubError, entry_not_found
@@ -70,7 +70,8 @@ class HubHTTPServer(LimitedThreadingHTTPServer):
         host, port = self.server_address[:2]
         # every URL the server returns is built from this, never from the request's Host header
         self.url = (public_url or f"http://{host}:{port}").rstrip("/")
-        self.origins = {self.url.lower()} | {f"http://{h}:{port}" for h in (host, "127.0.0.1", "localhost")}
+        self.hosts = {urlsplit(self.url).netloc.lower()} | {f"{h}:{port}" for h in (host, "127.0.0.1", "localhost")}
+        self.origins = {self.url.lower()} | {f"http://{h}" for h in self.hosts}
 
 
 class HubRequestHandler(HubHandlerBase):
@@ -110,7 +111,7 @@ class HubRequestHandler(HubHandlerBase):
         (403). Runs before any of the request body is read."""
         has_body = bool(self.headers.get("Transfer-Encoding")) or (self.headers.get("Content-Length") or "0") != "0"
         types = ("application/x-ndjson",) if ndjson else ("application/json",)
-        problem = write_request_problem(self.headers, self.server.origins, has_body, types)
+        problem = write_request_problem(self.headers, self.server.origins, self.server.hosts, has_body, types)
         if problem:
             raise auth.forbidden(problem)
         auth.require_write(self.ident, namespace, what)
@@ -149,7 +150,8 @@ class HubRequestHandler(HubHandlerBase):
         self.send_json(auth.whoami(self.ident))
 
     def _create_repo(self) -> None:
-        problem = write_request_problem(self.headers, self.server.origins, True, ("application/json",))
+        problem = write_request_problem(self.headers, self.server.origins, self.server.hosts, True,
+                                        ("application/json",))
         if problem:
             raise auth.forbidden(problem)
         if self.ident is None:  # before reading anything of the body

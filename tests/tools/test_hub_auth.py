@@ -152,7 +152,7 @@ def test_reads_are_anonymous_but_a_bad_token_is_refused(hub):
 def test_trust_is_set_by_the_owner_only(hub):
     """No HTTP call grants trust or creates a token: the plausible ones are all 4xx and the file is untouched."""
     before = (hub.root / auth.AUTH_FILE).read_bytes()
-    attempts = [("POST", f"/api/organizations/mallory-org/overview"), ("PUT", "/api/organizations/mallory-org/overview"),
+    attempts = [("POST", "/api/organizations/mallory-org/overview"), ("PUT", "/api/organizations/mallory-org/overview"),
                 ("POST", "/api/organizations/mallory-org/settings"), ("POST", "/api/settings/tokens"),
                 ("PUT", "/api/whoami-v2"), ("POST", "/api/whoami-v2"), ("POST", "/api/organizations/mallory-org"),
                 ("PUT", f"/api/kernels/{REPO}/settings"), ("POST", "/api/settings/trusted-publishers")]

@@ -14,7 +14,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -26,7 +25,7 @@ from huggingface_hub import CommitOperationAdd, HfApi
 from huggingface_hub.errors import HfHubHTTPError
 
 from toolhelpers import TRUSTED_ORG, bearer, commit_ndjson, file_item, git, raw_request, repo_dir, repo_state
-from kerneltools.hub import HubProcess, serve_hub
+from kerneltools.hub import serve_hub
 
 REPO = f"{TRUSTED_ORG}/load"
 K = dict(repo_type="kernel")

@@ -281,7 +281,7 @@ def test_resolve_head_get_and_errors(hub, krepo):
     assert status == 404 and h["X-Error-Code"] == "EntryNotFound"
     status, h, _ = raw_request(hub.url, "GET", f"/kernels/{REPO}/resolve/v9/build/torch-cpu/a.py")
     assert status == 404 and h["X-Error-Code"] == "RevisionNotFound"
-    status, h, _ = raw_request(hub.url, "GET", f"/kernels/geglu-kernels/nope/resolve/main/a")
+    status, h, _ = raw_request(hub.url, "GET", "/kernels/geglu-kernels/nope/resolve/main/a")
     assert status == 404 and h["X-Error-Code"] == "RepoNotFound"
 
 
