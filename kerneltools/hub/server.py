@@ -32,7 +32,7 @@ from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 from . import auth
-from .errors import HubError, entry_not_found
+from .errors import HubError, entry_not_found, forbidden, unauthorized
 from .http import HubHandlerBase, LimitedThreadingHTTPServer, loads_json, write_request_problem
 from .names import DEFAULT_BRANCH, REPO_TYPES, validate_name_part, validate_namespace, validate_path, \
     validate_ref_name, validate_repo_id
@@ -113,14 +113,11 @@ class HubRequestHandler(HubHandlerBase):
         types = ("application/x-ndjson",) if ndjson else ("application/json",)
         problem = write_request_problem(self.headers, self.server.origins, self.server.hosts, has_body, types)
         if problem:
-            raise auth.forbidden(problem)
+            raise forbidden(problem)
         auth.require_write(self.ident, namespace, what)
 
     def _open(self, repo_type: str, repo_id: str) -> Repo:
-        try:
-            validate_repo_id(repo_id)
-        except HubError:
-            raise HubError(404, f"Repository not found: '{repo_id}' is not a valid repo id.", "RepoNotFound") from None
+        _check_repo_id(repo_id)
         return self.server.store.open(repo_type, repo_id)
 
     def _repo_api(self, method: str, repo_type: str, repo_id: str, rest: list[str]) -> None:
@@ -129,10 +126,7 @@ class HubRequestHandler(HubHandlerBase):
         if spec is None or not spec[2] <= len(args) <= spec[3]:
             raise HubError(404, f"No such API endpoint on this server: {method} {self.path.split('?')[0]}")
         handler, access, _, _ = spec
-        try:
-            validate_repo_id(repo_id)
-        except HubError:
-            raise HubError(404, f"Repository not found: '{repo_id}' is not a valid repo id.", "RepoNotFound") from None
+        _check_repo_id(repo_id)  # an invalid id is a missing repo (404) before any access check
         if access == WRITE:
             self._check_write(repo_id.split("/")[0], f"write to '{repo_id}'", ndjson=op == "commit")
         else:
@@ -146,14 +140,14 @@ class HubRequestHandler(HubHandlerBase):
 
     def _whoami(self) -> None:
         if self.ident is None:
-            raise auth.unauthorized("Invalid username or password.")
+            raise unauthorized("Invalid username or password.")
         self.send_json(auth.whoami(self.ident))
 
     def _create_repo(self) -> None:
         problem = write_request_problem(self.headers, self.server.origins, self.server.hosts, True,
                                         ("application/json",))
         if problem:
-            raise auth.forbidden(problem)
+            raise forbidden(problem)
         if self.ident is None:  # before reading anything of the body
             auth.require_write(None, "", "create a repository")
         body = self.json_body(required=True)
@@ -360,6 +354,13 @@ class HubRequestHandler(HubHandlerBase):
     def _tag_delete(self, repo: Repo, args: list[str]) -> None:
         repo.delete_tag(args[0], user=self.ident.user)
         self.send_json({})
+
+
+def _check_repo_id(repo_id: str) -> None:
+    try:
+        validate_repo_id(repo_id)
+    except HubError:
+        raise HubError(404, f"Repository not found: '{repo_id}' is not a valid repo id.", "RepoNotFound") from None
 
 
 def _yaml_errors(front_matter: str) -> list[dict]:
