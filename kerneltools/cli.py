@@ -15,7 +15,8 @@ import sys
 
 SUBCOMMANDS = [
     "kerneltools.build",  # build
-    "kerneltools.hub_server",  # serve
+    "kerneltools.hub.server",  # serve
+    "kerneltools.hub.auth",  # hub-auth
     "kerneltools.publish",  # publish
     "kerneltools.bench",  # bench
     "kerneltools.demo",  # demo

@@ -3,8 +3,9 @@ Gemma-style transformers model -> report what happened.
 
     python -m kerneltools demo [--workdir DIR] [--keep] [--endpoint URL]
 
-Everything runs on this machine: the Hub is our own server on 127.0.0.1 (unless --endpoint names another, e.g.
-huggingface.co with HF_TOKEN set), the model is built from a config with random weights.
+Everything runs on this machine: the Hub is our own server on 127.0.0.1, which gives the demo a write token for
+geglu-kernels in HF_TOKEN (unless --endpoint names another Hub, e.g. huggingface.co, with your own HF_TOKEN set);
+the model is built from a config with random weights.
 """
 
 from __future__ import annotations
@@ -92,17 +93,19 @@ def run(workdir: Path, endpoint: str | None, keep: bool) -> int:
         log.info(f"{v.name}")
 
     # 2. the Hub
-    from .hub_server import serve_hub
+    from .hub import serve_hub
 
     hub_ctx = None
     if endpoint is None:
-        log.step("start the loopback Hub server (git-backed, 127.0.0.1, free port)")
+        log.step("start the loopback Hub server (git-backed, 127.0.0.1, port 0)")
+        # as the server's owner: trust the kernel's org, and a write token for it (what HF_TOKEN is on huggingface.co)
         hub_ctx = serve_hub(workdir / "hub", trusted_orgs=[REPO_ID.split("/", 1)[0]])
         hub = hub_ctx.__enter__()
         endpoint = hub.url
-        log.info(f"HF_ENDPOINT={endpoint}")
+        os.environ["HF_TOKEN"] = hub.token
+        log.info(f"HF_ENDPOINT={endpoint}, HF_TOKEN=<a write token of user 'publisher' in geglu-kernels>")
     else:
-        log.step(f"use the Hub at {endpoint}")
+        log.step(f"use the Hub at {endpoint} (token: HF_TOKEN or `hf auth login`)")
     # huggingface_hub and kernels read these at import: set them before the first import
     os.environ["HF_ENDPOINT"] = endpoint
     os.environ["KERNELS_CACHE"] = str(workdir / "kernels-cache")

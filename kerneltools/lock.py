@@ -18,10 +18,17 @@ What this module adds is the step that makes those loads, and ``get_kernel(versi
 3. The loaded variant's ``kernel-depends`` are resolved the same way, recursively.
 
 prefetch therefore downloads whole commits (every variant and the files outside ``build/``; bytecode excluded, as
-kernels does), checks each snapshot with the very call kernels makes offline, and only then writes ``refs/vN``, so
-an interrupted prefetch never leaves ``refs/vN`` pointing at an incomplete snapshot. It follows ``kernel-depends``
-(at their locked commits with ``--lockfile``). It also runs kernels' publisher-trust check: offline loads skip it,
-on the assumption that it passed when the kernel was downloaded, and prefetch is that download.
+kernels does), checks each snapshot with the very call kernels makes offline, checks each variant against the
+digest in its metadata.json (``kernels_data.Digest``; a mismatch is refused and the snapshot evicted), and only
+then writes ``refs/vN``, so an interrupted or refused prefetch never leaves ``refs/vN`` pointing at an incomplete
+or wrong snapshot. It follows ``kernel-depends`` (at their locked commits with ``--lockfile``). It also runs
+kernels' publisher-trust check: offline loads skip it, on the assumption that it passed when the kernel was
+downloaded, and prefetch is that download.
+
+What kernels 0.17.2 already has is used as it is (lock files: ``KernelLocks``; metadata: ``Metadata``; the
+downloads: huggingface_hub). Its own download helpers (``kernels download``, ``install_kernel``,
+``install_kernel_all_variants``) fetch single variants or ``build/*`` only, write no ``refs/vN`` and take the
+endpoint and cache fixed at import; its trust check has no endpoint argument. docs/locking.md has the table.
 """
 
 from __future__ import annotations
@@ -171,6 +178,8 @@ class _Prefetcher:
             if not metas:
                 raise PrefetchError(f"{repo_id} at {commit} has no build/<variant>/metadata.json: it is not a kernel "
                                     "build (publish one with `python -m kerneltools publish`).")
+            for m in metas:
+                verify_variant(repo_id, commit, m.parent)
             self.done[key] = got = Prefetched(repo_id, commit, path, [m.parent.name for m in metas])
             self.log(f"{repo_id} @ {commit[:12]}: {', '.join(got.variants)}")
             for m in metas:
@@ -186,6 +195,47 @@ class _Prefetcher:
             _write_ref(self.cache, repo_id, ref, commit)  # only now: the snapshot it names is complete
             got.refs.append(ref)
         return got
+
+
+def verify_variant(repo_id: str, commit: str, variant_dir: Path) -> bool:
+    """Check a cached variant's files against the digest in its metadata.json (kernels_data.Digest: sha256 of every
+    file but metadata.json, as kernel-builder writes it). True if they match, False if the metadata has no digest.
+
+    On a mismatch the snapshot of that commit is taken out of the cache (its folder, and the blobs of the
+    mismatching files, so that neither an offline load nor the next prefetch reuses them) and PrefetchError names
+    the variant and the first mismatching file."""
+    from kernels_data import Digest, DigestValidationError, Metadata
+
+    try:
+        meta = Metadata.read_from_file(variant_dir / "metadata.json")
+    except ValueError as e:
+        raise PrefetchError(f"{repo_id} at {commit}: kernels cannot parse build/{variant_dir.name}/metadata.json "
+                            f"({e}), so it would not load it either.") from None
+    if meta.digest is None:
+        return False
+    try:
+        meta.digest.validate(Digest.hash_variant(meta.digest.algorithm, variant_dir))
+    except DigestValidationError as e:
+        bad = sorted(e.violations, key=lambda v: getattr(v, "path", ""))
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        _evict_snapshot(variant_dir.parents[1], [variant_dir / v.path for v in bad if hasattr(v, "path")])
+        raise PrefetchError(
+            f"{repo_id} at {commit}: variant {variant_dir.name} does not match the digest in its metadata.json: "
+            f"{bad[0]} (build/{variant_dir.name}/{getattr(bad[0], 'path', '')}){more}. Either the cached copy was "
+            "changed or the Hub serves files other than the ones this build was made with. The snapshot was "
+            "removed from the cache, so nothing loads it offline. Run prefetch again to download it afresh; if it "
+            "fails the same way, the published build is inconsistent (republish it), and pin a known-good commit "
+            "with `kernels lock` (docs/locking.md).") from None
+    return True
+
+
+def _evict_snapshot(snapshot: Path, bad_files: list[Path]) -> None:
+    import shutil
+
+    for f in bad_files:
+        if f.is_symlink():  # snapshots/<commit>/<path> -> ../../blobs/<etag>
+            f.resolve().unlink(missing_ok=True)
+    shutil.rmtree(snapshot, ignore_errors=True)
 
 
 def _write_ref(cache: Path, repo_id: str, ref: str, commit: str) -> None:

@@ -144,11 +144,10 @@ MUTANTS = [
            "        check_split(gate, up, approximate, out)\n        _impl._forward_into(out, gate, up, approximate)\n",
            "        _impl._forward_into(out, gate, up, approximate)\n        check_split(gate, up, approximate, out)\n",
            ("tests/kernel/test_refused_out.py",)),
-    # The Hub server's commit endpoint (moving to kerneltools/hub/: update the path when it does).
     Mutant("parent-commit-unchecked", "the Hub commit endpoint ignores parentCommit (a stale commit is merged)",
-           "kerneltools/hub_server.py",
-           'parent_commit=header.get("parentCommit"))',
-           "parent_commit=None)",
+           "kerneltools/hub/server.py",
+           'parent_commit=h.get("parentCommit"),',
+           "parent_commit=None,",
            ("tests/tools/test_hub_server.py::test_parent_commit",)),
 ]
 

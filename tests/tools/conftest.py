@@ -1,5 +1,5 @@
-"""Fixtures for the tooling tests: a loopback Hub server per test (subprocess, free port, tmp storage), and builds of
-the real kernel shared by the whole session."""
+"""Fixtures for the tooling tests: a loopback Hub server per test (subprocess, port 0, tmp storage, a write token in
+HF_TOKEN), and builds of the real kernel shared by the whole session."""
 
 from __future__ import annotations
 
@@ -10,18 +10,28 @@ from types import SimpleNamespace
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from toolhelpers import REPO_ROOT, TRUSTED_ORG, build_geglu, kernel_source_copy  # noqa: E402
+from toolhelpers import REPO_ROOT, TRUSTED_ORG, WRITE_ORGS, build_geglu, kernel_source_copy  # noqa: E402
 
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from kerneltools.hub_server import serve_hub  # noqa: E402
+from kerneltools.hub import serve_hub  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _no_ambient_token(monkeypatch):
+    """No test sends a developer's own Hugging Face token; the hub fixture sets its server's."""
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
 
 
 @pytest.fixture
-def hub(tmp_path):
-    """A Hub server subprocess on 127.0.0.1:<free port>, storage in tmp_path/hub, trusting geglu-kernels."""
-    with serve_hub(tmp_path / "hub", trusted_orgs=[TRUSTED_ORG]) as h:
+def hub(tmp_path, monkeypatch):
+    """A Hub server subprocess on 127.0.0.1 (port 0: the one it got), storage in tmp_path/hub, trusting
+    geglu-kernels; its write token (user `publisher`, write role in WRITE_ORGS) is hub.token and HF_TOKEN, so that
+    huggingface_hub, publish and the kernels subprocesses (kernels_env) use it."""
+    with serve_hub(tmp_path / "hub", trusted_orgs=[TRUSTED_ORG], write_orgs=WRITE_ORGS) as h:
+        monkeypatch.setenv("HF_TOKEN", h.token)
         yield h
 
 
@@ -29,7 +39,7 @@ def hub(tmp_path):
 def api(hub):
     from huggingface_hub import HfApi
 
-    return HfApi(endpoint=hub.url, token=False)
+    return HfApi(endpoint=hub.url, token=hub.token)
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ import pytest
 from huggingface_hub import CommitOperationAdd, HfApi
 
 from toolhelpers import TRUSTED_ORG, commit_ndjson, file_item, raw_request, repo_state
-from kerneltools.hub_server import serve_hub
+from kerneltools.hub import serve_hub
 
 REPO = "geglu-kernels/tiny"
 NDJSON = {"Content-Type": "application/x-ndjson"}
@@ -21,7 +21,7 @@ JSON = {"Content-Type": "application/json"}
 def hub(tmp_path_factory):
     """One server and repo for the whole module (speed); every test checks the repo is unchanged afterwards."""
     with serve_hub(tmp_path_factory.mktemp("bad") / "hub", trusted_orgs=[TRUSTED_ORG]) as h:
-        api = HfApi(endpoint=h.url, token=False)
+        api = HfApi(endpoint=h.url, token=h.token)
         api.create_repo(REPO, repo_type="kernel")
         api.create_branch(REPO, branch="v1", repo_type="kernel")
         api.create_commit(REPO, operations=[CommitOperationAdd("build/torch-cpu/a.py", b"A = 1\n")],
@@ -31,7 +31,7 @@ def hub(tmp_path_factory):
 
 @pytest.fixture
 def api(hub):
-    return HfApi(endpoint=hub.url, token=False)
+    return HfApi(endpoint=hub.url, token=hub.token)
 
 
 @pytest.fixture
@@ -45,7 +45,20 @@ def krepo(hub):
 
 
 def _commit(hub, body: bytes, rev: str = "v1", repo: str = REPO):
-    return raw_request(hub.url, "POST", f"/api/kernels/{repo}/commit/{quote(rev, safe='')}", body, NDJSON)
+    return raw_request(hub.url, "POST", f"/api/kernels/{repo}/commit/{quote(rev, safe='')}", body, NDJSON,
+                       token=hub.token)
+
+
+def _write(hub, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+    """A write request with the hub's write token."""
+    return raw_request(hub.url, method, path, body, headers, token=hub.token)
+
+
+def _raw_head(hub, method: str, path: str, headers: str) -> bytes:
+    """A request head for raw sockets: the server's own Host, the write token, and `headers` (CRLF-terminated)."""
+    host = urlsplit(hub.url).netloc
+    return (f"{method} {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {hub.token}\r\n{headers}"
+            "\r\n").encode()
 
 
 def _assert_error(resp, status: int, code: str | None = None, text: str | None = None):
@@ -81,8 +94,7 @@ def test_bad_paths_elsewhere(hub, krepo):
                   text="Invalid path")
     _assert_error(raw_request(hub.url, "GET", f"/api/kernels/{REPO}/tree/v1/build/..%2F.."), 400, text="Invalid path")
     body = json.dumps({"files": [{"path": "../x", "sample": "", "size": 1}]}).encode()
-    _assert_error(raw_request(hub.url, "POST", f"/api/kernels/{REPO}/preupload/v1", body, JSON), 400,
-                  text="Invalid path")
+    _assert_error(_write(hub, "POST", f"/api/kernels/{REPO}/preupload/v1", body, JSON), 400, text="Invalid path")
 
 
 @pytest.mark.parametrize("body, text", [
@@ -123,10 +135,10 @@ def test_delete_of_missing_entries(hub, krepo):
                                   "HEAD", "@{-1}", "trailing/", "0123456789abcdef0123456789abcdef01234567"])
 def test_invalid_ref_names_are_refused(hub, krepo, name):
     enc = quote(name, safe="")
-    _assert_error(raw_request(hub.url, "POST", f"/api/kernels/{REPO}/branch/{enc}", b"{}", JSON), 400,
+    _assert_error(_write(hub, "POST", f"/api/kernels/{REPO}/branch/{enc}", b"{}", JSON), 400,
                   text="Invalid branch name")
-    _assert_error(raw_request(hub.url, "POST", f"/api/kernels/{REPO}/tag/v1", json.dumps({"tag": name}).encode(),
-                              JSON), 400, text="Invalid tag name")
+    _assert_error(_write(hub, "POST", f"/api/kernels/{REPO}/tag/v1", json.dumps({"tag": name}).encode(), JSON), 400,
+                  text="Invalid tag name")
 
 
 @pytest.mark.parametrize("rev", ["-v1", "--output=/tmp/x", "v1..main", "v1^{tree}", "HEAD~1", "main:a", "v9",
@@ -138,8 +150,8 @@ def test_bad_or_unknown_revisions(hub, krepo, rev):
                          ("GET", f"/api/kernels/{REPO}/commits/{enc}")]:
         _assert_error(raw_request(hub.url, method, path), 404, "RevisionNotFound")
     _assert_error(_commit(hub, commit_ndjson(HDR, file_item("x", b"x")), rev=rev), 404, "RevisionNotFound")
-    _assert_error(raw_request(hub.url, "POST", f"/api/kernels/{REPO}/branch/new",
-                              json.dumps({"startingPoint": rev}).encode(), JSON), 404, "RevisionNotFound")
+    _assert_error(_write(hub, "POST", f"/api/kernels/{REPO}/branch/new", json.dumps({"startingPoint": rev}).encode(),
+                         JSON), 404, "RevisionNotFound")
 
 
 @pytest.mark.parametrize("repo", ["geglu-kernels/nope", "geglu-kernels/..", "-x/y", "a--b/c"])
@@ -147,7 +159,7 @@ def test_unknown_repos(hub, krepo, repo):
     for method, path in [("GET", f"/api/kernels/{repo}"), ("GET", f"/api/kernels/{repo}/refs"),
                          ("GET", f"/api/kernels/{repo}/tree/main"), ("HEAD", f"/kernels/{repo}/resolve/main/a"),
                          ("POST", f"/api/kernels/{repo}/branch/x")]:
-        _assert_error(raw_request(hub.url, method, path), 404, "RepoNotFound")
+        _assert_error(_write(hub, method, path), 404, "RepoNotFound")
     _assert_error(_commit(hub, commit_ndjson(HDR, file_item("x", b"x")), repo=repo), 404, "RepoNotFound")
 
 
@@ -156,15 +168,15 @@ def test_bad_create_requests(hub, krepo):
                  {"name": "ok", "organization": "-rf", "type": "kernel"},
                  {"name": "ok", "organization": "geglu-kernels", "type": "bucket"},
                  {"name": ["x"], "organization": "geglu-kernels", "type": "kernel"}]:
-        _assert_error(raw_request(hub.url, "POST", "/api/repos/create", json.dumps(body).encode(), JSON), 400)
-    _assert_error(raw_request(hub.url, "POST", "/api/repos/create", b"{nope", JSON), 400, text="not valid JSON")
+        _assert_error(_write(hub, "POST", "/api/repos/create", json.dumps(body).encode(), JSON), 400)
+    _assert_error(_write(hub, "POST", "/api/repos/create", b"{nope", JSON), 400, text="not valid JSON")
 
 
 def test_oversized_body_is_refused_without_reading_it(hub, krepo):
     u = urlsplit(hub.url)
     with socket.create_connection((u.hostname, u.port), timeout=10) as s:
-        s.sendall(f"POST /api/kernels/{REPO}/commit/v1 HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-ndjson\r\n"
-                  f"Content-Length: {10**12}\r\n\r\n".encode())
+        s.sendall(_raw_head(hub, "POST", f"/api/kernels/{REPO}/commit/v1",
+                            f"Content-Type: application/x-ndjson\r\nContent-Length: {10**12}\r\n"))
         reply = s.recv(65536).decode(errors="replace")
     assert reply.startswith("HTTP/1.1 413") and "limit" in reply
 
@@ -173,10 +185,20 @@ def test_client_disconnect_mid_body_commits_nothing(hub, krepo):
     body = commit_ndjson(HDR, file_item("build/torch-cpu/a.py", b"A = 666\n"), file_item("more", b"x" * 1000))
     u = urlsplit(hub.url)
     with socket.create_connection((u.hostname, u.port), timeout=10) as s:
-        s.sendall(f"POST /api/kernels/{REPO}/commit/v1 HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-ndjson\r\n"
-                  f"Content-Length: {len(body)}\r\n\r\n".encode() + body[: len(body) // 2])
-    # the fixture teardown checks that nothing changed; make sure the server is still serving
+        s.sendall(_raw_head(hub, "POST", f"/api/kernels/{REPO}/commit/v1",
+                            f"Content-Type: application/x-ndjson\r\nContent-Length: {len(body)}\r\n")
+                  + body[: len(body) // 2])
+        s.shutdown(socket.SHUT_WR)  # the client is done sending: half a body
+        reply = _read_to_eof(s)  # EOF: the server has finished with this request (the teardown check comes after)
+    assert reply.startswith(b"HTTP/1.1 400") and b"ended early" in reply, reply
     assert raw_request(hub.url, "GET", f"/api/kernels/{REPO}/refs")[0] == 200
+
+
+def _read_to_eof(s: socket.socket) -> bytes:
+    reply = b""
+    while chunk := s.recv(65536):
+        reply += chunk
+    return reply
 
 
 def test_chunked_commit_body_is_accepted(hub, api, krepo):
@@ -185,11 +207,10 @@ def test_chunked_commit_body_is_accepted(hub, api, krepo):
     u = urlsplit(hub.url)
     chunks = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + 7]), body[i:i + 7]) for i in range(0, len(body), 7))
     with socket.create_connection((u.hostname, u.port), timeout=10) as s:
-        s.sendall(f"POST /api/kernels/{REPO}/commit/main HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
-                  "Transfer-Encoding: chunked\r\n\r\n".encode() + chunks + b"0\r\n\r\n")
-        reply = b""
-        while chunk := s.recv(65536):
-            reply += chunk
+        s.sendall(_raw_head(hub, "POST", f"/api/kernels/{REPO}/commit/main", "Connection: close\r\n"
+                            "Content-Type: application/x-ndjson\r\nTransfer-Encoding: chunked\r\n")
+                  + chunks + b"0\r\n\r\n")
+        reply = _read_to_eof(s)
     assert reply.startswith(b"HTTP/1.1 200"), reply
     assert api.list_repo_files(REPO, repo_type="kernel") == [".gitattributes", "c.txt"]
     # restore main for the intact-repo check (main is allowed to move back only via a new commit: reset the ref)
@@ -203,5 +224,102 @@ def test_wrong_methods_and_unknown_endpoints(hub, krepo):
     _assert_error(raw_request(hub.url, "POST", f"/kernels/{REPO}/resolve/v1/build/torch-cpu/a.py", b""), 405)
     _assert_error(raw_request(hub.url, "GET", f"/api/kernels/{REPO}/nope"), 404)
     _assert_error(raw_request(hub.url, "GET", "/api/kernels/%ff%fe/x"), 400, text="UTF-8")
-    _assert_error(raw_request(hub.url, "POST", f"/api/kernels/{REPO}/commit/v1?create_pr=1",
-                              commit_ndjson(HDR, file_item("x", b"x")), NDJSON), 400, text="Pull requests")
+    _assert_error(_write(hub, "POST", f"/api/kernels/{REPO}/commit/v1?create_pr=1",
+                         commit_ndjson(HDR, file_item("x", b"x")), NDJSON), 400, text="Pull requests")
+
+
+# --- what used to be a 500, or accepted and then broke the clients (issue 18) --------------------------------------
+
+NESTED = b"[" * 100_000 + b"]" * 100_000
+
+
+@pytest.mark.parametrize("where", ["create", "preupload", "tag", "paths-info", "commit line", "long commit line"])
+def test_deeply_nested_json_is_a_400(hub, krepo, where):
+    path, ctype, body = {
+        "create": ("/api/repos/create", JSON, NESTED),
+        "preupload": (f"/api/kernels/{REPO}/preupload/v1", JSON, b'{"files": ' + NESTED + b"}"),
+        "tag": (f"/api/kernels/{REPO}/tag/v1", JSON, b'{"tag": ' + NESTED + b"}"),
+        "paths-info": (f"/api/kernels/{REPO}/paths-info/v1", JSON, b'{"paths": ' + NESTED + b"}"),
+        "commit line": (f"/api/kernels/{REPO}/commit/v1", NDJSON, commit_ndjson(HDR) + NESTED + b"\n"),
+        "long commit line": (f"/api/kernels/{REPO}/commit/v1", NDJSON,
+                             commit_ndjson(HDR) + b"[" * 2_000_000 + b"]" * 2_000_000 + b"\n"),
+    }[where]
+    _assert_error(_write(hub, "POST", path, body, ctype), 400, text="nested")
+
+
+@pytest.mark.parametrize("rev", ["\x00", "v1\x00", "\x7f", "\n"])
+def test_revisions_with_control_characters(hub, krepo, rev):
+    enc = quote(rev, safe="")
+    for path in (f"/api/kernels/{REPO}/revision/{enc}", f"/api/kernels/{REPO}/tree/{enc}",
+                 f"/kernels/{REPO}/resolve/{enc}/build/torch-cpu/a.py", f"/api/kernels/{REPO}/commits/{enc}"):
+        _assert_error(raw_request(hub.url, "GET", path), 404, "RevisionNotFound")
+    _assert_error(_commit(hub, commit_ndjson(HDR, file_item("x", b"x")), rev=rev), 404, "RevisionNotFound")
+    _assert_error(_write(hub, "POST", f"/api/kernels/{REPO}/branch/{enc}", b"{}", JSON), 400, text="Invalid branch")
+    _assert_error(_write(hub, "POST", f"/api/kernels/{REPO}/branch/new", json.dumps({"startingPoint": rev}).encode(),
+                         JSON), 404, "RevisionNotFound")
+
+
+@pytest.mark.parametrize("path, text", [
+    ("build/" + "a" * 300 + ".py", "longer than 255 bytes"),  # the client's cache cannot hold the file (ENAMETOOLONG)
+    ("build/" + "\u00e9" * 128, "longer than 255 bytes"),  # 256 bytes in UTF-8
+    ("a/" * 2000 + "x", "longer than 1024 bytes"),  # deep paths made huggingface_hub recurse out of stack
+    ("a/" * 64 + "x", "more than 64 components"),
+    (" ", "white space"), ("build/ /x", "white space"), ("build/x ", "white space"), (" build/x", "white space"),
+    (".git ", ".git"), ("build/.git./hooks/x", ".git"), ("build/.GIT/x", ".git"),
+    ("...", "all-dots"), ("build/.../x", "all-dots"),
+])
+def test_paths_the_clients_cannot_use_are_refused(hub, krepo, path, text):
+    _assert_error(_commit(hub, commit_ndjson(HDR, file_item(path, b"x"))), 400, text=text)
+    body = json.dumps({"files": [{"path": path, "sample": "", "size": 1}]}).encode()
+    _assert_error(_write(hub, "POST", f"/api/kernels/{REPO}/preupload/v1", body, JSON), 400, text="Invalid path")
+
+
+@pytest.mark.parametrize("name", ["@", "v1/@", "x" * 201, "a/" + "b" * 201, "é" * 101])
+def test_ref_names_the_clients_cannot_use_are_refused(hub, krepo, name):
+    enc = quote(name, safe="")
+    _assert_error(_write(hub, "POST", f"/api/kernels/{REPO}/branch/{enc}", b"{}", JSON), 400,
+                  text="Invalid branch name")
+    _assert_error(_write(hub, "POST", f"/api/kernels/{REPO}/tag/v1", json.dumps({"tag": name}).encode(), JSON), 400,
+                  text="Invalid tag name")
+
+
+@pytest.mark.parametrize("org", ["api", "API", "kernels", "datasets", "spaces", "models", "organizations"])
+@pytest.mark.parametrize("repo_type", ["model", "kernel"])
+def test_namespaces_the_urls_use_are_reserved(hub, krepo, org, repo_type):
+    """A model repo api/x would have file URLs /api/x/resolve/..., which are API routes: it could be created but
+    not downloaded. The Hub reserves these names for every repo type; so does this server."""
+    body = json.dumps({"name": "x", "organization": org, "type": repo_type}).encode()
+    _assert_error(_write(hub, "POST", "/api/repos/create", body, JSON), 400, text="it is reserved")
+    assert not (hub.root / f"{repo_type}s" / org).exists()
+
+
+def test_two_servers_creating_the_same_repos(hub, krepo):
+    """Two server processes on one root get the same create requests at the same moment: each repo is created
+    once (200) and refused once (409), never a 500 (it was ENOTEMPTY), and no staging directory stays behind."""
+    import threading
+
+    from kerneltools.hub import HubProcess
+
+    other = HubProcess(hub.root, token=hub.token).start()
+    try:
+        names = [f"race{i}" for i in range(12)]
+        statuses = {n: [] for n in names}
+        barrier = threading.Barrier(2)
+
+        def creator(url):
+            for n in names:
+                body = json.dumps({"name": n, "organization": TRUSTED_ORG, "type": "kernel"}).encode()
+                barrier.wait()
+                statuses[n].append(raw_request(url, "POST", "/api/repos/create", body, JSON, token=hub.token)[0])
+
+        threads = [threading.Thread(target=creator, args=(u,)) for u in (hub.url, other.url)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        other.stop()
+    assert all(sorted(v) == [200, 409] for v in statuses.values()), statuses
+    assert [p.name for p in (hub.root / ".tmp").rglob("create-*")] == []
+    for n in names:
+        repo_state(hub, f"{TRUSTED_ORG}/{n}")  # complete and fsck-clean

@@ -25,7 +25,7 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.hf_api import RepoFile, RepoFolder
 
-from toolhelpers import REPO_ROOT, git, raw_request, repo_state
+from toolhelpers import REPO_ROOT, WRITE_ORGS, git, raw_request, repo_state
 
 REPO = "geglu-kernels/tiny"
 K = dict(repo_type="kernel")
@@ -64,7 +64,7 @@ def test_create_repo_conflict_and_exist_ok(api, hub):
     assert e.value.response.status_code == 409
     status, _, body = raw_request(hub.url, "POST", "/api/repos/create",
                                   json.dumps({"name": "tiny", "organization": "geglu-kernels", "type": "kernel"}).encode(),
-                                  {"Content-Type": "application/json"})
+                                  {"Content-Type": "application/json"}, token=hub.token)
     assert status == 409 and json.loads(body)["url"] == url
     # models and kernels are separate namespaces
     assert api.create_repo(REPO) == f"{hub.url}/{REPO}"
@@ -234,7 +234,7 @@ def test_preupload_regular_with_current_oid(hub, krepo):
     body = {"files": [{"path": "build/torch-cpu/a.py", "sample": "", "size": 6},
                       {"path": "new.bin", "sample": "", "size": 50_000_000}]}
     status, _, raw = raw_request(hub.url, "POST", f"/api/kernels/{REPO}/preupload/v1", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
+                                 {"Content-Type": "application/json"}, token=hub.token)
     files = {f["path"]: f for f in json.loads(raw)["files"]}
     assert status == 200
     assert files["build/torch-cpu/a.py"] == {"path": "build/torch-cpu/a.py", "uploadMode": "regular",
@@ -281,7 +281,7 @@ def test_resolve_head_get_and_errors(hub, krepo):
     assert status == 404 and h["X-Error-Code"] == "EntryNotFound"
     status, h, _ = raw_request(hub.url, "GET", f"/kernels/{REPO}/resolve/v9/build/torch-cpu/a.py")
     assert status == 404 and h["X-Error-Code"] == "RevisionNotFound"
-    status, h, _ = raw_request(hub.url, "GET", f"/kernels/geglu-kernels/nope/resolve/main/a")
+    status, h, _ = raw_request(hub.url, "GET", "/kernels/geglu-kernels/nope/resolve/main/a")
     assert status == 404 and h["X-Error-Code"] == "RepoNotFound"
 
 
@@ -335,24 +335,47 @@ def test_org_overview_trust(api, hub, krepo):
 
 
 def test_validate_yaml_whoami_agent_harnesses(hub):
-    api = HfApi(endpoint=hub.url, token="dummy")
+    api = HfApi(endpoint=hub.url, token=hub.token)
     api._validate_yaml("---\nlicense: apache-2.0\n---\n# card\n", repo_type="kernel")
     with pytest.raises(ValueError, match="Invalid metadata"):
         api._validate_yaml("---\nlicense: [unclosed\n---\n", repo_type="kernel")
-    me = api.whoami()
-    assert me["name"] == "local-user" and me["type"] == "user"
+    me = api.whoami()  # the truth: who the token belongs to, its orgs with their roles, the token's role
+    assert (me["name"], me["type"]) == ("publisher", "user")
+    assert [(o["name"], o["roleInOrg"]) for o in me["orgs"]] == sorted((o, "write") for o in WRITE_ORGS)
+    assert me["auth"]["accessToken"] == {"displayName": "serve_hub", "role": "write"}
     status, h, body = raw_request(hub.url, "GET", "/api/agent-harnesses")
     assert status == 404 and "error" in json.loads(body)
 
 
-def test_serve_cli_prints_url_and_trusts_project_org_by_default(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "kerneltools", "serve", "--root", str(tmp_path / "r"), "--quiet"],
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kerneltools", *args], capture_output=True, text=True, cwd=REPO_ROOT,
+                          timeout=60)
+
+
+def test_serve_cli_with_owner_set_tokens_roles_and_trust(tmp_path):
+    """The owner's CLI path: hub-auth sets trust, membership and a token; serve prints its URL; changes made with
+    hub-auth while it runs apply at once; nothing is trusted or writable by default."""
+    root = str(tmp_path / "r")
+    assert _cli("hub-auth", "--root", root, "member", "geglu-kernels", "alice", "--role", "write").returncode == 0
+    token = _cli("hub-auth", "--root", root, "token", "alice", "--name", "ci").stdout.strip()
+    assert re.fullmatch(r"hf_[A-Za-z0-9]{34}", token)
+    assert token not in (tmp_path / "r" / "hub-auth.json").read_text()  # stored hashed only
+    proc = subprocess.Popen([sys.executable, "-m", "kerneltools", "serve", "--root", root, "--quiet"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT)
     try:
         url = proc.stdout.readline().strip()
         assert re.fullmatch(r"http://127\.0\.0\.1:\d+", url)
-        api = HfApi(endpoint=url, token=False)
+        api = HfApi(endpoint=url, token=token)
+        assert api.get_organization_overview("geglu-kernels").trustedKernelPublisher is False
+        api.create_repo(REPO, **K)
+        assert _cli("hub-auth", "--root", root, "trust", "geglu-kernels").returncode == 0
         assert api.get_organization_overview("geglu-kernels").trustedKernelPublisher is True
+        assert _cli("hub-auth", "--root", root, "revoke", "ci").returncode == 0
+        with pytest.raises(HfHubHTTPError, match="Invalid credentials in Authorization header") as e:
+            api.create_branch(REPO, branch="v1", **K)
+        assert e.value.response.status_code == 401
+        shown = json.loads(_cli("hub-auth", "--root", root, "show").stdout)
+        assert shown["users"] == {"alice": {"orgs": {"geglu-kernels": "write"}}} and shown["tokens"] == []
     finally:
         proc.terminate()
         assert proc.wait(10) == 0  # SIGTERM is a clean shutdown
@@ -380,9 +403,11 @@ def test_restart_keeps_everything(api, hub, krepo, tmp_path):
 
 def test_crash_before_publishing_a_commit_leaves_nothing_visible(api, hub, krepo):
     """The server dies after writing the commit's objects but before moving the branch: nothing is visible."""
+    import httpx2  # huggingface_hub 2.x's HTTP client
+
     before = repo_state(hub, REPO)
     hub.restart(env={"KERNELTOOLS_HUB_CRASH_AT": "before-update-ref"})
-    with pytest.raises(Exception):
+    with pytest.raises(httpx2.RemoteProtocolError, match="Server disconnected without sending a response"):
         api.create_commit(REPO, operations=[_add("build/torch-cpu/a.py", b"A = 3\n")], commit_message="doomed",
                           revision="v1", **K)
     assert hub.wait_exit() == 137
@@ -417,7 +442,7 @@ def test_race_without_parent_commit_keeps_every_commit(hub, krepo):
     n, per = 2, 6
 
     def worker(i):
-        api = HfApi(endpoint=hub.url, token=False)
+        api = HfApi(endpoint=hub.url, token=hub.token)
         return [api.create_commit(REPO, operations=[_add(f"t{i}/f{j}", f"{i}-{j}".encode())],
                                   commit_message=f"t{i} c{j}", revision="v1", **K).oid for j in range(per)]
 
@@ -431,12 +456,12 @@ def test_race_without_parent_commit_keeps_every_commit(hub, krepo):
 
 
 def test_race_with_same_parent_commit_one_wins_one_412(hub, krepo):
-    api0 = HfApi(endpoint=hub.url, token=False)
+    api0 = HfApi(endpoint=hub.url, token=hub.token)
     for round_ in range(3):
         head = api0.kernel_info(REPO, revision="v1").sha
 
         def worker(i):
-            api = HfApi(endpoint=hub.url, token=False)
+            api = HfApi(endpoint=hub.url, token=hub.token)
             return api.create_commit(REPO, operations=[_add(f"r{round_}/w{i}", b"x")], commit_message=f"w{i}",
                                      revision="v1", parent_commit=head, **K).oid
 
@@ -451,30 +476,37 @@ def test_race_with_same_parent_commit_one_wins_one_412(hub, krepo):
 
 
 def test_compare_and_swap_when_branch_moves_mid_commit(tmp_path, monkeypatch):
-    """Deterministic: another commit lands between building ours and publishing it."""
-    from kerneltools import hub_store
-    from kerneltools.hub_store import CommitOp, GitStore, HubError
+    """Deterministic: a writer outside the server (plain git, no writer lock) moves the branch between our building
+    the commit and publishing it."""
+    from kerneltools.hub import storage
+    from kerneltools.hub.errors import HubError
+    from kerneltools.hub.storage import CommitOp, GitStore
 
     store = GitStore(tmp_path / "s")
-    store.create("kernel", REPO)
+    store.create("kernel", REPO, "test")
     repo = store.open("kernel", REPO)
     blob_a, blob_b = repo.write_blobs([_write(tmp_path / "a", b"a"), _write(tmp_path / "b", b"b")])
-    interloper, busy = [], []
+    interloper = []
+
+    def outside_commit():
+        head = git(repo.path, "rev-parse", "refs/heads/main").strip()
+        tree = git(repo.path, "mktree", input=git(repo.path, "ls-tree", head) + f"100644 blob {blob_b}\tb\n").strip()
+        new = git(repo.path, "commit-tree", "-p", head, "-m", "interloper", tree).strip()
+        git(repo.path, "update-ref", "refs/heads/main", new, head)
+        return new
 
     def sneak_in(point):
-        if point == "before-update-ref" and not interloper and not busy:
-            busy.append(1)
-            interloper.append(repo.commit("main", [CommitOp("add", "b", blob_b)], "interloper"))
-            busy.clear()
+        if point == "before-update-ref" and not interloper:
+            interloper.append(outside_commit())
 
-    monkeypatch.setattr(hub_store, "_maybe_crash", sneak_in)
+    monkeypatch.setattr(storage, "maybe_crash", sneak_in)
     head0 = repo.resolve("main")
     with pytest.raises(HubError) as e:
         repo.commit("main", [CommitOp("add", "a", blob_a)], "ours", parent_commit=head0)
     assert e.value.status == 412 and repo.resolve("main") == interloper[0]
 
     interloper.clear()
-    ours = repo.commit("main", [CommitOp("add", "a", blob_a + "")], "ours again")
+    ours = repo.commit("main", [CommitOp("add", "a", blob_a)], "ours again")
     assert git(repo.path, "rev-parse", f"{ours}^").strip() == interloper[0]  # rebuilt on the new head
     assert set(repo.all_files(ours)) == {".gitattributes", "a", "b"}
 
@@ -487,7 +519,7 @@ def _write(p: Path, data: bytes) -> Path:
 def test_second_server_on_same_root_keeps_first_servers_scratch(tmp_path):
     import os
 
-    from kerneltools.hub_store import GitStore
+    from kerneltools.hub.storage import GitStore
 
     live = tmp_path / "s" / ".tmp" / f"pid-{os.getppid()}"  # a running process
     dead = tmp_path / "s" / ".tmp" / "pid-999999999"  # no such process: a crashed server's leftovers

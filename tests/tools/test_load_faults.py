@@ -14,7 +14,7 @@ from toolhelpers import (
     cache_ref,
     run_kernels,
 )
-from kerneltools.hub_store import CRASH_ENV
+from kerneltools.hub.storage import CRASH_ENV
 from kerneltools.lock import PrefetchError, prefetch
 
 # huggingface_hub retries a lost connection, sleeping up to 8 s between tries (about 25 s in all) before it gives
@@ -70,11 +70,12 @@ def test_hub_dies_mid_download(hub, tmp_path, geglu_builds):
         out["error"] = f"{{type(e).__name__}}: {{e}}"
         out["transport_error"] = isinstance(e, httpx2.TransportError)
     """)
-    assert hub.wait_exit(10) == 137  # it died where it was told to
+    assert hub.wait_exit(10) == 137  # it died where it was told to: halfway through sending _triton.py
     # kernels passes the HTTP client's transport error through (ConnectError: Connection refused, ReadError:
-    # Connection reset by peer, RemoteProtocolError: Server disconnected..., whichever download notices first)
+    # Connection reset by peer, RemoteProtocolError: Server disconnected..., whichever download notices first).
+    # huggingface_hub logs "Error while downloading from <url>" only for the errors it retries (not for a reset), so
+    # which files the log names depends on timing; what must hold is the state of the cache, below.
     assert out.get("transport_error"), out.get("error")
-    assert "Error while downloading from" in out["_stderr"] and "build/torch-cpu/_triton.py" in out["_stderr"]
 
     # not poisoned: every blob the cache holds as complete has the right content, the half file is not in the
     # snapshot, and the snapshot is known to be incomplete (so an offline load refuses it instead of importing it)

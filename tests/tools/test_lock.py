@@ -212,3 +212,35 @@ def test_prefetch_explains_what_is_wrong(hub, tmp_path, monkeypatch):
     refused(f"Lost the connection to the Hub at {hub.url} while prefetching {repo} version 1 .*Run prefetch again",
             repo, version=1)
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("refs/*"))
+
+
+def test_prefetch_refuses_a_variant_that_does_not_match_its_digest(hub, tmp_path, geglu_builds):
+    """The digest in metadata.json (kernels_data.Digest) catches files changed without it: in the cache, or on the
+    Hub by a commit that replaces a file of v1 (issue 18, S1). A lock pinned to the good commit still prefetches."""
+    from huggingface_hub import HfApi
+
+    from toolhelpers import cache_repo
+
+    r1 = geglu_builds.v1.publish(hub)
+    cache = tmp_path / "cache"
+    kw = dict(cache_dir=cache, endpoint=hub.url)
+    prefetch(GEGLU_REPO, version=1, **kw)
+    blob = (cache_repo(cache, GEGLU_REPO) / "snapshots" / r1.commit / "build" / "torch-cpu" / "layers.py").resolve()
+    blob.write_text(blob.read_text() + "\nimport os  # changed in the cache\n")
+    refusal = f"{GEGLU_REPO} at {{}}: variant torch-cpu does not match the digest in its metadata.json: .*layers.py"
+    with pytest.raises(PrefetchError, match=refusal.format(r1.commit) + r".*The snapshot was removed from the cache"):
+        prefetch(GEGLU_REPO, version=1, **kw)
+    assert not cache_complete(cache, GEGLU_REPO, r1.commit) and not blob.exists()  # nothing loads it offline
+    assert [g.commit for g in prefetch(GEGLU_REPO, version=1, **kw)] == [r1.commit]  # downloaded afresh
+    assert cache_complete(cache, GEGLU_REPO, r1.commit)
+
+    evil = HfApi(endpoint=hub.url, token=hub.token).upload_file(
+        path_or_fileobj=b"import os\n", path_in_repo="build/torch-cpu/layers.py", repo_id=GEGLU_REPO, revision="v1",
+        repo_type="kernel").oid
+    with pytest.raises(PrefetchError, match=refusal.format(evil)):
+        prefetch(GEGLU_REPO, version=1, **kw)
+    assert cache_ref(cache, GEGLU_REPO, "v1") == r1.commit  # offline version=1 still names the good commit
+    lockfile = tmp_path / "kernels.lock"
+    lockfile.write_text(json.dumps([{"dependency": {"repo-id": GEGLU_REPO, "version": 1},
+                                     "lock": {"commit": r1.commit}}]))
+    assert [g.commit for g in prefetch(GEGLU_REPO, lockfile=lockfile, **kw)] == [r1.commit]

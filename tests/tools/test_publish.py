@@ -217,9 +217,9 @@ def test_build_problems_are_explained(hub, tmp_path, breakage, message):
 def test_server_down_is_explained(tmp_path):
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # nothing listens there once closed
+    s = socket.socket()  # bound but never listening, and held (closed with the test's frame): connections are refused
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
     with pytest.raises(PublishError, match=r"(?s)Lost the connection to the Hub at http://127.0.0.1:\d+.*nothing was "
                                            r"published.*kerneltools serve"):
         publish(_project(tmp_path), endpoint=f"http://127.0.0.1:{port}", progress=False)

@@ -90,13 +90,13 @@ def _run_workers(env: dict, out_dir: Path) -> dict:
 @pytest.fixture(scope="module")
 def reports(build_dir, tmp_path_factory):
     """Build (session fixture) -> loopback Hub -> publish -> both workers; returns their reports."""
-    from kerneltools.hub_server import serve_hub
+    from kerneltools.hub import serve_hub
     from kerneltools.publish import publish
 
     tmp = tmp_path_factory.mktemp("transformers")
     (tmp / "work").mkdir()
     with serve_hub(tmp / "hub", trusted_orgs=[TRUSTED_ORG]) as hub:
-        published = publish(build_dir, repo_id=REPO_ID, endpoint=hub.url, force_dirty=True,
+        published = publish(build_dir, repo_id=REPO_ID, endpoint=hub.url, token=hub.token, force_dirty=True,
                             build_toml=REPO_ROOT / "build.toml", progress=False)
         env = kernels_env(hub.url, tmp)
         env.update(GEGLU_REPO_ID=REPO_ID, GEGLU_WORK_DIR=str(tmp / "work"))

@@ -22,12 +22,17 @@ from kerneltools.build.config import hub_repo_id  # noqa: E402
 
 GEGLU_REPO = hub_repo_id()  # build.toml's [general.hub] repo-id: the real kernel's repository
 TRUSTED_ORG = GEGLU_REPO.split("/", 1)[0]  # its organization, which the loopback Hub trusts
+# the orgs the test hub's token (user "publisher") may write: the trusted one and two that kernels does not trust
+WRITE_ORGS = (TRUSTED_ORG, "other-org", "someone-else")
 
 
-def git(repo_dir: Path, *args: str) -> str:
+def git(repo_dir: Path, *args: str, input: str | None = None) -> str:
+    """Plain git on a bare repo of the store (as someone working on it by hand would)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    env.update(GIT_AUTHOR_NAME="outside", GIT_AUTHOR_EMAIL="outside@localhost", GIT_COMMITTER_NAME="outside",
+               GIT_COMMITTER_EMAIL="outside@localhost")
     return subprocess.run(["git", f"--git-dir={repo_dir}", *args], capture_output=True, text=True, check=True,
-                          env=env).stdout
+                          env=env, input=input).stdout
 
 
 def repo_dir(hub, repo_id: str, repo_type: str = "kernel") -> Path:
@@ -108,12 +113,17 @@ def make_project(root: Path, *, name: str = "tiny", version: int = 1, repo_id: s
     return root / "build"
 
 
-def kernels_env(hub_url: str, tmp: Path) -> dict:
+def kernels_env(hub_url: str, tmp: Path, token: str | None = None) -> dict:
+    """The environment of a kernels/huggingface_hub subprocess using the Hub at hub_url; HF_TOKEN is `token`, else
+    this process's HF_TOKEN (the hub fixture's), else none."""
+    token = token or os.environ.get("HF_TOKEN")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "KERNELS_", "HUGGINGFACE_"))}
     # keep an inherited PYTHONPATH (packages installed with --target, as on the GPU machine), repo first
     pythonpath = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env.update(HF_ENDPOINT=hub_url, KERNELS_CACHE=str(tmp / "kcache"), HF_HOME=str(tmp / "hf_home"),
                PYTHONPATH=pythonpath, TQDM_DISABLE="1")
+    if token:
+        env["HF_TOKEN"] = token
     # never HF_HUB_DISABLE_TELEMETRY=1: it breaks kernels 0.17.2 (illegal User-Agent header)
     return env
 
@@ -141,15 +151,21 @@ def run_cli(args: list[str], env: dict, timeout: float = 120) -> subprocess.Comp
     return subprocess.run(args, capture_output=True, text=True, env=env, timeout=timeout)
 
 
-def raw_request(hub_url: str, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
-    """One HTTP request with exact control of path and body; returns (status, headers, body)."""
+def bearer(token: str | None) -> dict:
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def raw_request(hub_url: str, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
+                token: str | None = None):
+    """One HTTP request with exact control of path and body (and `Authorization: Bearer token` if given);
+    returns (status, headers, body)."""
     import http.client
     from urllib.parse import urlsplit
 
     u = urlsplit(hub_url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
     try:
-        conn.request(method, path, body=body, headers=headers or {})
+        conn.request(method, path, body=body, headers={**bearer(token), **(headers or {})})
         r = conn.getresponse()
         return r.status, r.headers, r.read()
     finally:
