@@ -8,6 +8,7 @@ from . import layers
 from ._backend import get_backend, set_backend
 from ._ops import HAS_CUDA_LIB, ops
 from .functional import geglu, geglu_backward, geglu_packed, gelu_and_mul, gelu_tanh_and_mul
+from ._rmsnorm import rms_norm
 
 __all__ = [
     "geglu",
@@ -15,6 +16,7 @@ __all__ = [
     "geglu_backward",
     "gelu_and_mul",
     "gelu_tanh_and_mul",
+    "rms_norm",
     "set_backend",
     "get_backend",
     "HAS_CUDA_LIB",

@@ -310,3 +310,35 @@ __all__ = [
     "ClvpGeGLU",
     "CpmAntGeGLU",
 ]
+
+
+# --- Gemma's RMSNorm -------------------------------------------------------------------------------------------
+
+from ._rmsnorm import host_forward as _gemma_norm_host, layer_forward as _gemma_norm  # noqa: E402
+
+
+class GemmaRMSNorm(nn.Module):
+    """Replaces transformers' ``GemmaRMSNorm`` and the classes with its forward (Gemma 2, Gemma 3, T5Gemma, ...):
+    ``(x.float() * rsqrt(mean(x.float()^2, -1) + eps) * (1.0 + weight.float())).type_as(x)``, one fused kernel
+    forward and one backward (dx and a deterministic dw) on CUDA, the host's own ops on CPU.
+
+    Shapes: x ``[..., D]`` (q_norm / k_norm rows of head_dim included), weight ``[D]``; output like x.
+
+    Under torch.compile the layer runs the host's own math (a constant branch: no guard, no graph break), so that
+    Inductor fuses the norm with its neighbours (residual adds, casts) as it does for the unkernelized model; the
+    opaque op would keep them apart. Tensor subclasses (DTensor) and functorch transforms also get the host's math.
+    """
+
+    can_torch_compile = True
+    has_backward = True
+
+    weight: torch.Tensor
+    eps: float
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return _gemma_norm_host(x, self.weight, self.eps)
+        return _gemma_norm(x, self.weight, self.eps)
+
+
+__all__.append("GemmaRMSNorm")
