@@ -106,23 +106,34 @@ def host_forward(x: Tensor, weight: Tensor, eps: float, offset: float = 1.0) -> 
 
 
 def cpu_forward(x: Tensor, weight: Tensor, eps: float, offset: float) -> Tensor:
-    """The CPU implementation: eager's ops in the host's order (bit-exact with the host module)."""
+    """The CPU implementation: eager's ops in the host's order (bit-exact with the host module). Called with a
+    gradient to record, eager autograd records its own graph of these ops: the gradients are eager's."""
     return host_forward(x, weight, eps, offset)
 
 
-def cpu_backward(grad: Tensor, x: Tensor, weight: Tensor, eps: float, offset: float, need_dx: bool,
-                 need_dw: bool) -> Tuple[Optional[Tensor], Optional[Tensor]]:
-    """Eager autograd's gradients of host_forward, computed by eager autograd itself on the same ops (bit-exact)."""
-    if not (need_dx or need_dw):
-        return None, None
-    with torch.enable_grad():
-        xd = x.detach().requires_grad_(need_dx)
-        wd = weight.detach().requires_grad_(need_dw)
-        y = host_forward(xd, wd, eps, offset)
-        grads = torch.autograd.grad(y, [t for t, n in ((xd, need_dx), (wd, need_dw)) if n], grad)
-    dx = grads[0] if need_dx else None
-    dw = grads[-1] if need_dw else None
-    return dx, dw
+def _sum_to(t: Tensor, dims) -> Tensor:
+    return t.sum(dims, keepdim=True) if dims else t
+
+
+def cpu_backward(grad: Tensor, x: Tensor, weight: Tensor, eps: float, offset: float) -> Tuple[Tensor, Tensor]:
+    """(dx, dw) as eager autograd computes them for host_forward: each backward formula of PyTorch's
+    tools/autograd/derivatives.yaml (mul, rsqrt, mean, pow, the casts) and the engine's reduction of broadcast
+    gradients (at::sum_to), in the order the engine runs them. For the ops' backward on CPU tensors."""
+    xf = x.float()
+    wf = weight.float()
+    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    xn = xf * r
+    s = offset + wf
+    gz = grad.float()  # y = z.type_as(x): _to_copy's backward
+    lead = list(range(x.dim() - 1))
+    dw = _sum_to(gz * xn, lead).view(weight.shape)  # z = xn * s, other's gradient, summed to s's shape
+    g_xn = gz * s  # ... and self's
+    b = g_xn * r  # xn = xf * r: self's gradient
+    g_r = _sum_to(g_xn * xf, [x.dim() - 1])  # other's, summed to r's [..., 1]
+    g_m = -0.5 * g_r * r.pow(3)  # rsqrt: -0.5 * grad * result.pow(3); the + eps passes it on
+    g_p = g_m.expand(xf.shape) / x.shape[-1]  # mean: grad.expand(sizes) / n
+    c = g_p * (2.0 * xf.pow(1.0))  # pow(2): grad * (exponent * self.pow(exponent - 1))
+    return (b + c).to(x.dtype), dw.to(weight.dtype)
 
 
 def _use_triton(x: Tensor) -> bool:
@@ -140,21 +151,19 @@ def _use_triton(x: Tensor) -> bool:
     return True
 
 
-def _forward(x: Tensor, weight: Tensor, eps: float, offset: float, save_rstd: bool):
-    """(y, rstd or None) for validated inputs."""
+def _forward(x: Tensor, weight: Tensor, eps: float, offset: float) -> Tensor:
+    """y for validated inputs, recording no gradient."""
     if _use_triton(x):
         t = _tri
-        return t.forward(x, weight, t.f32(eps), t.f32(offset), save_rstd)
-    return cpu_forward(x, weight, eps, offset), None
+        return t.forward(x, weight, t.f32(eps), t.f32(offset))[0]
+    return cpu_forward(x, weight, eps, offset)
 
 
-def _backward(grad: Tensor, x: Tensor, weight: Tensor, rstd: Optional[Tensor], eps: float, offset: float,
-              need_dx: bool, need_dw: bool):
+def _backward(grad: Tensor, x: Tensor, weight: Tensor, eps: float, offset: float) -> Tuple[Tensor, Tensor]:
     if _use_triton(x):
         t = _tri
-        dx, dw = t.backward(grad, x, weight, rstd, t.f32(eps), t.f32(offset), need_dw)
-        return (dx if need_dx else None), dw
-    return cpu_backward(grad, x, weight, eps, offset, need_dx, need_dw)
+        return t.backward(grad, x, weight, None, t.f32(eps), t.f32(offset))
+    return cpu_backward(grad, x, weight, eps, offset)
 
 
 def _like(result: Tensor, ref: Tensor) -> Tensor:
@@ -172,7 +181,7 @@ def _like(result: Tensor, ref: Tensor) -> Tensor:
 @torch.library.custom_op(add_op_namespace_prefix("rms_norm"), mutates_args=())
 def rms_norm_op(x: Tensor, weight: Tensor, eps: float, offset: float) -> Tensor:
     check_rms_norm(x, weight)
-    return _like(_forward(x, weight, eps, offset, False)[0], x)
+    return _like(_forward(x, weight, eps, offset), x)
 
 
 @rms_norm_op.register_fake
@@ -186,7 +195,7 @@ def rms_norm_backward(grad: Tensor, x: Tensor, weight: Tensor, eps: float, offse
     """(dx, dw) of ``rms_norm`` (the rstd recomputed from x)."""
     check_rms_norm(x, weight)
     _check_grad(grad, x)
-    dx, dw = _backward(grad, x, weight, None, eps, offset, True, True)
+    dx, dw = _backward(grad, x, weight, eps, offset)
     return _like(dx, x), _like(dw, weight)
 
 
@@ -213,15 +222,16 @@ rms_norm_op.register_autograd(_op_backward, setup_context=_setup)
 
 
 # --- eager autograd --------------------------------------------------------------------------------------------
-# The op's autograd, as a plain autograd.Function calling the implementations directly (the custom op's Python
-# autograd layer costs ~100 µs of host time per forward + backward). CUDA saves the forward's rstd ([rows] fp32)
-# instead of recomputing it; CPU recomputes the host's graph in the backward (eager's own gradients).
+# The op's autograd for the Triton kernels, as a plain autograd.Function calling them directly (the custom op's
+# Python autograd layer costs ~100 µs of host time per forward + backward). The forward's rstd ([rows] fp32) is
+# saved instead of recomputed. CPU tensors need no node of ours: eager autograd records the CPU implementation's
+# own ops.
 
 
 class EagerRMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, offset):
-        y, rstd = _forward(x, weight, eps, offset, True)
+        y, rstd = _tri.forward(x, weight, _tri.f32(eps), _tri.f32(offset), True)
         ctx.save_for_backward(x, weight, rstd)
         ctx.eps, ctx.offset = eps, offset
         return y
@@ -231,8 +241,8 @@ class EagerRMSNorm(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight, rstd = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dx, dw = _backward(grad, x, weight, rstd, ctx.eps, ctx.offset, need_dx, need_dw)
-        return dx, dw, None, None
+        dx, dw = _tri.backward(grad, x, weight, rstd, _tri.f32(ctx.eps), _tri.f32(ctx.offset), need_dw)
+        return (dx if need_dx else None), dw, None, None
 
 
 # Function.apply's Python wrapper (argument binding, functorch checks) is skipped: used only outside functorch
@@ -250,9 +260,12 @@ def _plain_eager(x, weight) -> bool:
 
 
 def _run(x: Tensor, weight: Tensor, eps: float, offset: float) -> Tensor:
+    if not _use_triton(x):
+        return cpu_forward(x, weight, eps, offset)
     if _grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _eager_apply(x, weight, eps, offset)
-    return _forward(x, weight, eps, offset, False)[0]
+    t = _tri
+    return t.forward(x, weight, t.f32(eps), t.f32(offset))[0]
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, offset: float = 1.0) -> Tensor:

@@ -211,9 +211,9 @@ def fwd_plan(M: int, D: int, device: torch.device, tiles=None):
 
 
 def bwd_plan(M: int, D: int, device: torch.device, tiles=None):
-    """(grid, block_m, block_d, num_warps, looped) for the backward: 8 elements per thread and array, at most one
-    resident wave of programs (each loops over its rows; fewer programs means fewer dw partials to sum).
-    ``tiles``: (block_m, num_warps, programs) to use instead."""
+    """(grid, block_m, block_d, num_warps, looped) for the backward: 8 elements per thread and array (up to 32
+    warps; 16 elements at the widest rows), about one resident wave of programs (each loops over its rows; fewer
+    programs means fewer dw partials to sum). ``tiles``: (block_m, num_warps, programs) to use instead."""
     key = ("bwd", M, D, device, tiles)
     plan = _PLANS.get(key)
     if plan is None:
@@ -228,7 +228,7 @@ def bwd_plan(M: int, D: int, device: torch.device, tiles=None):
                 block_m = max(1, 2048 // block_d)
                 while block_m > 1 and triton.cdiv(M, block_m) < 4 * sms:
                     block_m //= 2
-                num_warps = max(1, min(16, block_m * block_d // 256))
+                num_warps = max(1, min(32, block_m * block_d // 256))
                 programs = sms * max(1, 64 // num_warps)
             plan = ((max(1, min(triton.cdiv(M, block_m), programs)),), block_m, block_d, num_warps, False)
         if len(_PLANS) < 4096:

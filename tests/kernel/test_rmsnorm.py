@@ -1,0 +1,587 @@
+"""Gemma's RMSNorm: ``geglu.rms_norm`` (the op, its eager paths, autograd) and the ``GemmaRMSNorm`` hub layer.
+
+The reference is the host module's forward (transformers' ``Gemma3RMSNorm``, transcribed in ``host`` and checked
+against the class itself) and, for the bounds, the same formula in fp64 on the same inputs with eager's fp32
+rounding of the scale ``offset + w`` and of eps (docs/rmsnorm.md):
+
+* CPU implementation: bit-exact with the host module, forward and backward (torch.equal).
+* Triton kernels (here under the interpreter; on a GPU the ``gpu`` tests): ``|y - ref| <= ulp_T/2 + K eps32 |ref|``
+  (within one ulp of the output dtype), and no worse than eager beyond that rounding; the backward within
+  ``ulp_T/2 + K eps32 scale`` with the scales of ``_bwd_ref``.
+
+Random data comes from generators seeded per test (the seed is in every failure message).
+"""
+
+import importlib
+import math
+import zlib
+
+import pytest
+import torch
+
+E32 = torch.finfo(torch.float32).eps
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+EPS = 1e-6
+
+
+def _seed(*params) -> int:
+    return zlib.crc32(repr(params).encode())
+
+
+def _data(shape, dtype, wdtype=None, scale=1.0, seed=0, device="cpu", wscale=0.5):
+    """x ~ N(0, scale^2), w ~ N(0, wscale^2) (Gemma's weights are small offsets from 0), dy ~ N(0, 1)."""
+    g = torch.Generator().manual_seed(seed)
+    D = shape[-1]
+    x = (torch.randn(shape, generator=g) * scale).to(dtype)
+    w = (torch.randn(D, generator=g) * wscale).to(wdtype or dtype)
+    dy = torch.randn(shape, generator=g).to(dtype)
+    return x.to(device), w.to(device), dy.to(device)
+
+
+def host(x, w, eps=EPS, offset=1.0):
+    """transformers' Gemma3RMSNorm.forward (with offset for the 1.0), op for op."""
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (out * (offset + w.float())).type_as(x)
+
+
+def host_grads(x, w, dy, eps=EPS, offset=1.0):
+    xe = x.detach().clone().requires_grad_()
+    we = w.detach().clone().requires_grad_()
+    y = host(xe, we, eps, offset)
+    y.backward(dy)
+    return y.detach(), xe.grad, we.grad
+
+
+def _f32(v: float) -> float:
+    return torch.tensor(v, dtype=torch.float32).item()
+
+
+def ref64(x, w, eps=EPS, offset=1.0):
+    """The formula in fp64, with eager's fp32 scale fl(offset + w) and fp32 eps."""
+    x64 = x.double()
+    s = (offset + w.float()).double()
+    r = torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + _f32(eps))
+    return x64 * r * s
+
+
+def _bwd_ref(x, w, dy, eps=EPS, offset=1.0):
+    """fp64 (dx, dw) and the scales of their error bounds: dx's r * (|dxn| + |xn| * mean|dxn * xn|), dw's
+    sum over rows of |dy * xn|."""
+    D = x.shape[-1]
+    x64, g = x.double(), dy.double()
+    s = (offset + w.float()).double()
+    r = torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + _f32(eps))
+    xn, dxn = x64 * r, g * s
+    dx = r * (dxn - xn * (dxn * xn).mean(-1, keepdim=True))
+    scale_dx = r * (dxn.abs() + xn.abs() * (dxn * xn).abs().mean(-1, keepdim=True))
+    lead = list(range(x.dim() - 1))
+    dw = (g * xn).sum(lead) if lead else g * xn
+    scale_dw = (g * xn).abs().sum(lead) if lead else (g * xn).abs()
+    return dx, dw, scale_dx, scale_dw
+
+
+def ulp(v, dtype):
+    """The spacing of ``dtype`` at |v| (fp64 tensor in, fp64 out), subnormal spacing at the bottom."""
+    fi = torch.finfo(dtype)
+    a = v.abs().clamp_min(fi.smallest_normal)
+    return torch.exp2(torch.floor(torch.log2(a))) * fi.eps
+
+
+def k_fwd(D: int) -> float:
+    """fp32 error allowance of the forward in eps32 * |ref| (measured worst on random data: 2.0 here, CPU)."""
+    return 4 + math.log2(max(D, 2)) / 2
+
+
+def k_bwd(M: int, D: int) -> float:
+    """fp32 error allowance of dx and dw in eps32 * scale (measured worst: 1.8 here, CPU, eager included)."""
+    return 4 + (math.log2(max(D, 2)) + math.log2(max(M, 2))) / 2
+
+
+def _excess(result, ref, scale, dtype, k):
+    """max over elements of (|result - ref| - ulp_T/2) / (k eps32 scale): <= 1 is within the bound."""
+    r = result.double()
+    err = (r - ref).abs() - 0.5 * ulp(torch.maximum(ref.abs(), r.abs()), dtype)
+    if err.numel() == 0:
+        return 0.0
+    return (err.clamp_min(0) / (k * E32 * scale + 1e-300)).max().item()
+
+
+def assert_fwd_bound(y, x, w, eps=EPS, offset=1.0, what=""):
+    ref = ref64(x, w, eps, offset)
+    worst = _excess(y, ref, ref.abs(), y.dtype, k_fwd(x.shape[-1]))
+    assert worst <= 1.0, f"{what}: forward error {worst:.3g} x the bound"
+
+
+def assert_bwd_bound(dx, dw, x, w, dy, eps=EPS, offset=1.0, what=""):
+    rdx, rdw, sdx, sdw = _bwd_ref(x, w, dy, eps, offset)
+    k = k_bwd(x.numel() // max(x.shape[-1], 1), x.shape[-1])
+    worst_dx = _excess(dx, rdx, sdx, dx.dtype, k)
+    worst_dw = _excess(dw, rdw, sdw, dw.dtype, k)
+    assert worst_dx <= 1.0 and worst_dw <= 1.0, f"{what}: dx {worst_dx:.3g}, dw {worst_dw:.3g} x the bound"
+
+
+def no_worse_than_eager(y, ye, ref, dtype):
+    """(fraction of elements where ours is farther from fp64 than eager, largest excess in ulps of fp32)."""
+    eo, ee = (y.double() - ref).abs(), (ye.double() - ref).abs()
+    if eo.numel() == 0:
+        return 0.0, 0.0
+    excess = ((eo - ee).clamp_min(0) / ulp(ref, torch.float32)).max().item()
+    return (eo > ee).double().mean().item(), excess
+
+
+# Limits for no_worse_than_eager. Ours and eager differ only through r, the rsqrt of the row sum, which the two
+# round differently in some rows; where that moves an output, each is the closer one about half of the time.
+# Measured on random data: 16-bit outputs farther in <= 3.1e-5 of the elements (a rounding to the neighbouring
+# value of T), fp32 in 7-9 % over many rows and up to 22 % over 3 rows; excess <= 2.9 fp32 ulps.
+WORSE_FRACTION = {torch.bfloat16: 1e-3, torch.float16: 1e-3, torch.float32: 0.5}
+WORSE_EXCESS_ULP32 = 8.0
+
+
+def _mod(geglu, name):
+    return importlib.import_module(f"{geglu.__name__}.{name}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the reference itself
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_host_transcription_is_transformers_forward():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    assert transformers.__version__ == "5.22.2", "the transcription is of transformers 5.22.2's forward"
+    x, w, _ = _data((3, 5, 48), torch.bfloat16, seed=_seed("host"))
+    mod = Gemma3RMSNorm(48, eps=EPS).to(torch.bfloat16)
+    with torch.no_grad():
+        mod.weight.copy_(w)
+    assert torch.equal(host(x, w), mod(x))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# forward and backward on random data
+# ----------------------------------------------------------------------------------------------------------------
+
+SHAPES = [(32, 2560), (2, 7, 1000), (96, 256), (5, 4099), (9, 1), (0, 64), (4, 0), (3, 20000)]
+# (x dtype, weight dtype): Gemma's weight is in the model's dtype; fp32 weights with bf16 activations also occur
+DTYPE_PAIRS = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+               (torch.float16, torch.float16)]
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-3, 30.0], ids=["unit", "eps-sized", "large"])
+@pytest.mark.parametrize("dtype,wdtype", DTYPE_PAIRS, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_forward(impl, geglu, shape, dtype, wdtype, scale):
+    name, device = impl
+    seed = _seed("fwd", shape, dtype, wdtype, scale)
+    x, w, _ = _data(shape, dtype, wdtype, scale, seed, device)
+    y = geglu.rms_norm(x, w, EPS)
+    ye = host(x, w)
+    assert y.shape == x.shape and y.dtype == x.dtype and y.stride() == ye.stride()
+    if name == "cpu":
+        assert torch.equal(y, ye), f"seed {seed}: {(y != ye).sum().item()} of {y.numel()} differ from eager"
+        return
+    what = f"seed {seed}"
+    assert_fwd_bound(y, x, w, what=what)
+    frac, excess = no_worse_than_eager(y, ye, ref64(x, w), dtype)
+    assert frac <= WORSE_FRACTION[dtype] and excess <= WORSE_EXCESS_ULP32, (
+        f"{what}: farther from fp64 than eager in {frac:.3g} of the elements, by up to {excess:.3g} fp32 ulps")
+
+
+@pytest.mark.parametrize("dtype,wdtype", DTYPE_PAIRS, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_backward(impl, geglu, shape, dtype, wdtype):
+    name, device = impl
+    seed = _seed("bwd", shape, dtype, wdtype)
+    x, w, dy = _data(shape, dtype, wdtype, 1.0, seed, device)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = geglu.rms_norm(xr, wr, EPS)
+    y.backward(dy)
+    assert xr.grad.dtype == x.dtype and wr.grad.dtype == w.dtype
+    dx_op, dw_op = geglu.ops.rms_norm_backward.default(dy, x, w, EPS, 1.0)  # the op's backward: rstd recomputed
+    if name == "cpu":  # eager autograd records the CPU implementation's own ops; the op replays their formulas
+        ye, dxe, dwe = host_grads(x, w, dy)
+        assert type(y.grad_fn) is type(host(xr, wr).grad_fn)
+        assert torch.equal(y, ye) and torch.equal(xr.grad, dxe) and torch.equal(wr.grad, dwe), f"seed {seed}"
+        assert torch.equal(dx_op, dxe) and torch.equal(dw_op, dwe), f"op backward, seed {seed}"
+        return
+    assert type(y.grad_fn).__name__ == "EagerRMSNormBackward"
+    assert_bwd_bound(xr.grad, wr.grad, x, w, dy, what=f"seed {seed}")
+    assert_bwd_bound(dx_op, dw_op, x, w, dy, what=f"op backward, seed {seed}")
+
+
+@pytest.mark.parametrize("eps,offset", [(0.1, 1.0), (0.0, 1.0), (1e-6, 0.0), (1e-5, 2.5)])
+def test_eps_and_offset(impl, geglu, eps, offset):
+    """eps large enough to matter, zero, and the scale offset + w for offsets other than Gemma's 1."""
+    name, device = impl
+    seed = _seed("eps", eps, offset)
+    x, w, dy = _data((16, 384), torch.bfloat16, torch.float32, 0.3, seed, device)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = geglu.rms_norm(xr, wr, eps, offset)
+    y.backward(dy)
+    if name == "cpu":
+        ye, dxe, dwe = host_grads(x, w, dy, eps, offset)
+        assert torch.equal(y, ye) and torch.equal(xr.grad, dxe) and torch.equal(wr.grad, dwe), f"seed {seed}"
+        return
+    assert_fwd_bound(y.detach(), x, w, eps, offset, what=f"seed {seed}")
+    assert_bwd_bound(xr.grad, wr.grad, x, w, dy, eps, offset, what=f"seed {seed}")
+
+
+def test_one_plus_w_rounds_in_fp32_as_eager(impl, geglu):
+    """Weights below fp32's half-ulp of 1 vanish in eager's ``1.0 + w.float()``; an fp64 scale would keep them."""
+    name, device = impl
+    x = torch.full((2, 8), 3.0, device=device)
+    w = torch.full((8,), 2.0**-25, device=device)
+    y = geglu.rms_norm(x, w, 0.0)
+    assert torch.equal(y, torch.ones_like(x)), y  # x * rsqrt(9) * fl(1 + 2^-25) = 1 * 1
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# layouts: every eager input layout works; the output is laid out like torch.empty_like(x) (eager's layout)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _layout(name, device, dtype, seed):
+    """(leaf, view): x = view(leaf) in the named layout; gradients reach the leaf through the view."""
+    g = torch.Generator().manual_seed(seed)
+    B, S, H, hd = 2, 5, 3, 64
+    shapes = {"heads-transposed": (B, S, H, hd), "row-slice": (7, 2 * hd), "last-dim-strided": (hd, 9),
+              "expanded": (1, hd), "batch-slice": (4, 6, hd)}
+    views = {
+        # q_norm / k_norm: q_proj(x).view(B, S, H, hd).transpose(1, 2), dense but not contiguous
+        "heads-transposed": lambda t: t.transpose(1, 2),
+        "row-slice": lambda t: t[:, :hd],  # rows with a stride: read in place
+        "last-dim-strided": lambda t: t.t(),  # dense, last dim not unit-stride: a copy
+        "expanded": lambda t: t.expand(6, hd),
+        "batch-slice": lambda t: t[:, 1:5],  # leading dims that do not collapse to one row stride
+    }
+    leaf = torch.randn(shapes[name], generator=g).to(dtype).to(device)
+    return leaf, views[name]
+
+
+LAYOUTS = ["heads-transposed", "row-slice", "last-dim-strided", "expanded", "batch-slice"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layouts(impl, geglu, layout):
+    name, device = impl
+    seed = _seed("layout", layout)
+    leaf, view = _layout(layout, device, torch.bfloat16, seed)
+    x = view(leaf)
+    g = torch.Generator().manual_seed(seed + 1)
+    w = (torch.randn(x.shape[-1], generator=g) * 0.5).to(torch.bfloat16).to(device)
+    dy = torch.randn(x.shape, generator=g).to(x.dtype).to(device)
+    y = geglu.rms_norm(x, w, EPS)
+    assert y.stride() == torch.empty_like(x).stride()
+    if name == "cpu":
+        assert torch.equal(y, host(x, w)) and y.stride() == host(x, w).stride()
+    else:
+        assert torch.equal(y, geglu.rms_norm(x.contiguous(), w, EPS)), "a row's result depends on its layout"
+        assert_fwd_bound(y, x, w, what=f"seed {seed}")
+    for grad in (dy, dy.transpose(-1, -2).contiguous().transpose(-1, -2)):  # contiguous, then strided
+        xv, wr = view(leaf.clone().requires_grad_()), w.clone().requires_grad_()
+        dx, dw = torch.autograd.grad(geglu.rms_norm(xv, wr, EPS), (xv, wr), grad)
+        if name == "cpu":
+            xe, we = view(leaf.clone().requires_grad_()), w.clone().requires_grad_()
+            dxe, dwe = torch.autograd.grad(host(xe, we), (xe, we), grad)
+            assert torch.equal(dx, dxe) and torch.equal(dw, dwe), f"seed {seed}"
+        else:
+            assert_bwd_bound(dx, dw, x, w, dy, what=f"seed {seed}")
+
+
+def test_dw_is_deterministic(impl, geglu):
+    name, device = impl
+    for shape in [(300, 512), (3, 20000)]:  # several rows per program; the looped wide-row kernel
+        x, w, dy = _data(shape, torch.bfloat16, torch.float32, 1.0, _seed("det", shape), device)
+        runs = []
+        for _ in range(2):
+            xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+            geglu.rms_norm(xr, wr, EPS).backward(dy)
+            runs.append((xr.grad, wr.grad))
+        assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+
+
+def test_gradients_only_where_asked(impl, geglu):
+    name, device = impl
+    x, w, dy = _data((8, 96), torch.float32, seed=_seed("needs"), device=device)
+    wr = w.clone().requires_grad_()
+    geglu.rms_norm(x, wr, EPS).backward(dy)
+    xr = x.clone().requires_grad_()
+    geglu.rms_norm(xr, w, EPS).backward(dy)
+    _, dxe, dwe = host_grads(x, w, dy)
+    if name == "cpu":
+        assert torch.equal(wr.grad, dwe) and torch.equal(xr.grad, dxe)
+    else:
+        assert_bwd_bound(xr.grad, wr.grad, x, w, dy)
+    with torch.no_grad():
+        assert geglu.rms_norm(xr, wr, EPS).grad_fn is None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# torch.library contract
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_opcheck(impl, geglu, requires_grad):
+    name, device = impl
+    for dtype, wdtype, shape in [(torch.float32, torch.float32, (3, 5, 24)), (torch.bfloat16, torch.float32, (4, 33))]:
+        x, w, dy = _data(shape, dtype, wdtype, seed=_seed("opcheck", shape), device=device)
+        torch.library.opcheck(geglu.ops.rms_norm.default,
+                              (x.requires_grad_(requires_grad), w.requires_grad_(requires_grad), EPS, 1.0))
+        torch.library.opcheck(geglu.ops.rms_norm_backward.default, (dy, x.detach(), w.detach(), EPS, 1.0))
+    leaf, view = _layout("heads-transposed", device, torch.float32, 0)
+    xt = view(leaf)
+    torch.library.opcheck(geglu.ops.rms_norm.default, (xt, torch.zeros(xt.shape[-1], device=device), EPS, 1.0))
+
+
+def test_compile_fullgraph_forward_backward(impl, geglu):
+    """The public function under torch.compile(fullgraph=True) runs the op: no graph break, eager's results."""
+    name, device = impl
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    def f(x, w):
+        return geglu.rms_norm(x * 2, w, EPS) * 3
+
+    compiled = torch.compile(f, fullgraph=True, backend=backend)
+    x, w, dy = _data((6, 10, 48), torch.bfloat16, torch.float32, seed=_seed("compile"), device=device)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = compiled(xr, wr)
+    y.backward(dy)
+    assert len(graphs) == 1 and any(op.endswith(".rms_norm.default") for op in graphs[0]), graphs
+    with torch.no_grad():
+        assert torch.equal(y, geglu.rms_norm(x * 2, w, EPS) * 3)
+    dx, dw = geglu.ops.rms_norm_backward.default(dy * 3, x * 2, w, EPS, 1.0)
+    assert torch.equal(xr.grad, dx * 2) and torch.equal(wr.grad, dw)
+
+
+def test_ops_live_in_the_build_namespace(geglu):
+    ns = _mod(geglu, "_ops").add_op_namespace_prefix("rms_norm").split("::")[0]
+    assert ns == geglu.__name__
+    assert hasattr(getattr(torch.ops, ns), "rms_norm") and hasattr(getattr(torch.ops, ns), "rms_norm_backward")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# bad input
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_bad_input_is_refused_with_what_was_expected(geglu):
+    x, w, _ = _data((4, 16), torch.float32)
+    cases = [
+        ((x.to(torch.int32), w, EPS), TypeError, "x has dtype torch.int32; expected torch.float32"),
+        ((x, w.double(), EPS), TypeError, "weight has dtype torch.float64"),
+        ((x.tolist(), w, EPS), TypeError, "x must be a torch.Tensor, got list"),
+        ((x, w[:8], EPS), ValueError, r"weight has shape \(8,\); expected \(16,\)"),
+        ((x, w.view(4, 4), EPS), ValueError, r"weight has shape \(4, 4\); expected \(16,\)"),
+        ((torch.tensor(1.0), w[:1], EPS), ValueError, "x is a 0-dim tensor"),
+        ((x, w.to("meta"), EPS), ValueError, "x is on cpu but weight is on meta; expected one device"),
+        ((x, w, "1e-6"), TypeError, "eps must be a float, got str"),
+    ]
+    for args, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            geglu.rms_norm(*args)
+    with pytest.raises(ValueError, match=r"grad has shape \(4, 15\)"):
+        geglu.ops.rms_norm_backward.default(x[:, :15].contiguous(), x, w, EPS, 1.0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the hub layer through kernels' kernelize
+# ----------------------------------------------------------------------------------------------------------------
+
+kernels = pytest.importorskip("kernels")
+from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_forward_from_hub, use_kernel_mapping  # noqa: E402
+
+
+@use_kernel_forward_from_hub("GemmaRMSNorm")
+class HostNorm(torch.nn.Module):
+    """The shape of transformers' GemmaRMSNorm (weight initialised to zeros there; random here)."""
+
+    def __init__(self, dim, eps=EPS):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x):
+        return host(x, self.weight, self.eps)
+
+
+class Block(torch.nn.Module):
+    """A residual block with a norm before and after (Gemma's pre/post norms) and one on head_dim rows."""
+
+    def __init__(self, d, hd):
+        super().__init__()
+        self.pre, self.post, self.q_norm = HostNorm(d), HostNorm(d), HostNorm(hd)
+        self.proj = torch.nn.Linear(d, d, bias=False)
+        self.hd = hd
+
+    def forward(self, x):
+        h = self.proj(self.pre(x))
+        B, S, D = h.shape
+        q = self.q_norm(h.view(B, S, -1, self.hd).transpose(1, 2)).transpose(1, 2).reshape(B, S, D)
+        return x + self.post(q)
+
+
+class Calls:
+    """Counts runs of the loaded kernel's implementations (wrapped, still called): proof that the layer ran ours."""
+
+    NAMES = {"_rmsnorm": ("cpu_forward", "cpu_backward"), "_rmsnorm_triton": ("forward", "backward")}
+
+    def __init__(self, geglu, monkeypatch):
+        self.n = {}
+        for mod_name, fns in self.NAMES.items():
+            mod = _mod(geglu, mod_name)
+            for fn in fns:
+                monkeypatch.setattr(mod, fn, self._counted(f"{mod_name}.{fn}", getattr(mod, fn)))
+
+    def _counted(self, key, fn):
+        self.n[key] = 0
+
+        def counted(*a, **k):
+            self.n[key] += 1
+            return fn(*a, **k)
+
+        return counted
+
+    def take(self):
+        out = {k: v for k, v in self.n.items() if v}
+        self.n = dict.fromkeys(self.n, 0)
+        return out
+
+
+def _models(device, dtype, seed):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(Block(64, 16), Block(64, 16)).to(device=device, dtype=dtype)
+    for m in model.modules():
+        if isinstance(m, HostNorm):
+            torch.nn.init.normal_(m.weight, std=0.5)
+    ref = torch.nn.Sequential(Block(64, 16), Block(64, 16)).to(device=device, dtype=dtype)
+    ref.load_state_dict(model.state_dict())
+    return model, ref
+
+
+def _mapping(build_dir, device):
+    return {"GemmaRMSNorm": {device: LocalLayerRepository(repo_path=build_dir, layer_name="GemmaRMSNorm")}}
+
+
+def test_layer_rules_and_kernel_runs_in_inference_and_training(impl, geglu, build_dir, monkeypatch):
+    name, device = impl
+    seed = _seed("layer", name)
+    model, ref = _models(device, torch.float32, seed)
+    calls = Calls(geglu, monkeypatch)
+    with use_kernel_mapping(_mapping(build_dir, device)):
+        kernelize(model, mode=Mode.TRAINING, device=device)  # kernels validates the layer rules on load
+    norms = [m for m in model.modules() if isinstance(m, HostNorm)]
+    assert len(norms) == 6 and all(m.forward.__func__.__qualname__ == "GemmaRMSNorm.forward" for m in norms)
+    x = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(seed)).to(device)
+    dy = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(seed + 1)).to(device)
+    impl_fwd, impl_bwd = (("_rmsnorm.cpu_forward", None) if name == "cpu"
+                          else ("_rmsnorm_triton.forward", "_rmsnorm_triton.backward"))
+
+    with torch.no_grad():
+        y, y_ref = model(x), ref(x)
+    assert calls.take() == {impl_fwd: 6}
+    y_t = model(x)
+    y_t.backward(dy)
+    y_r = ref(x)
+    y_r.backward(dy)
+    # CPU: eager autograd records the CPU implementation's ops (no backward of ours runs); Triton: our backward
+    assert calls.take() == ({impl_fwd: 6} if name == "cpu" else {impl_fwd: 6, impl_bwd: 6})
+    if name == "cpu":
+        assert torch.equal(y, y_ref) and torch.equal(y_t, y_r)
+        for (pname, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad), f"gradient of {pname}"
+        return
+    # Triton: each norm within its bound; through the model, normwise (the blocks amplify a last-bit change)
+    scale = y_ref.abs().max().item()
+    assert (y - y_ref).abs().max().item() <= 1e-5 * scale and (y_t - y_r).abs().max().item() <= 1e-5 * scale
+    for (pname, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert (p.grad - q.grad).abs().max().item() <= 1e-5 * q.grad.abs().max().item(), f"gradient of {pname}"
+
+
+def test_layer_under_compile_runs_the_hosts_math(impl, geglu, build_dir, monkeypatch):
+    """Mode.TORCH_COMPILE: one graph with no opaque norm op (Inductor can fuse the host's math), eager's result."""
+    name, device = impl
+    model, ref = _models(device, torch.float32, _seed("layer-compile"))
+    with use_kernel_mapping(_mapping(build_dir, device)):
+        kernelize(model, mode=Mode.INFERENCE | Mode.TORCH_COMPILE, device=device)
+    calls = Calls(geglu, monkeypatch)
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+        return gm.forward  # the traced graph itself, run as eager ops
+
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    x = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(3)).to(device)
+    with torch.no_grad():
+        y = compiled(x)
+        assert torch.equal(y, ref(x))
+    assert len(graphs) == 1 and not any("rms_norm" in op for op in graphs[0]), graphs
+    assert calls.take() == {}
+
+
+def test_layer_keeps_the_hosts_math_for_other_dtypes(impl, geglu, build_dir, monkeypatch):
+    name, device = impl
+    norm = HostNorm(32).to(device=device, dtype=torch.float64)
+    ref = HostNorm(32).to(device=device, dtype=torch.float64)
+    with use_kernel_mapping(_mapping(build_dir, device)):
+        kernelize(norm, mode=Mode.INFERENCE, device=device)
+    assert norm.forward.__func__.__qualname__ == "GemmaRMSNorm.forward"
+    calls = Calls(geglu, monkeypatch)
+    x = torch.randn(3, 32, dtype=torch.float64, device=device)
+    assert torch.equal(norm(x), ref(x)) and calls.take() == {}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GPU: the bound at real sizes (marker gpu; skipped without CUDA)
+# ----------------------------------------------------------------------------------------------------------------
+
+GPU_SHAPES = [(16384, 2560), (1, 2560), (8, 2048, 8, 256), (4096, 16384), (3, 13823), (7, 1), (5, 20000),
+              (2048, 5376)]
+
+
+def _gpu_dtypes(shape):
+    n = math.prod(shape)
+    return [torch.bfloat16] if n > 2**25 else DTYPES
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
+def test_gpu_forward_bound_and_no_worse_than_eager(geglu, shape):
+    for dtype in _gpu_dtypes(shape):
+        seed = _seed("gpu-fwd", shape, dtype)
+        x, w, _ = _data(shape, dtype, dtype, 1.0, seed, "cuda")
+        if len(shape) == 4:  # q_norm rows: [B, S, H, hd] viewed as [B, H, S, hd]
+            x = x.transpose(1, 2)
+        y = geglu.rms_norm(x, w, EPS)
+        ye = host(x, w)
+        what = f"{dtype} seed {seed}"
+        assert_fwd_bound(y, x, w, what=what)
+        frac, excess = no_worse_than_eager(y, ye, ref64(x, w), dtype)
+        assert frac <= WORSE_FRACTION[dtype] and excess <= WORSE_EXCESS_ULP32, (
+            f"{what}: farther from fp64 than eager in {frac:.3g} of the elements, by up to {excess:.3g} fp32 ulps")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
+def test_gpu_backward_bound_and_determinism(geglu, shape):
+    for dtype in _gpu_dtypes(shape):
+        seed = _seed("gpu-bwd", shape, dtype)
+        x, w, dy = _data(shape, dtype, dtype, 1.0, seed, "cuda")
+        runs = []
+        for _ in range(2):
+            xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+            geglu.rms_norm(xr, wr, EPS).backward(dy)
+            runs.append((xr.grad, wr.grad))
+        assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1]), "not deterministic"
+        assert_bwd_bound(runs[0][0], runs[0][1], x, w, dy, what=f"{dtype} seed {seed}")
+        dx_op, dw_op = geglu.ops.rms_norm_backward.default(dy, x, w, EPS, 1.0)  # rstd recomputed
+        assert_bwd_bound(dx_op, dw_op, x, w, dy, what=f"op path, {dtype} seed {seed}")
