@@ -20,7 +20,7 @@ functorch and tensor subclasses; plain eager calls go straight to the implementa
 ``torch.autograd.Function`` when a gradient is recorded), skipping the dispatcher's Python round trips.
 """
 
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
 from torch import Tensor
