@@ -13,7 +13,12 @@ Random data comes from generators seeded per test (the seed is in every failure 
 """
 
 import importlib
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -479,3 +484,98 @@ def test_gpu_backward_bound_and_determinism(geglu, shape):
         assert_bwd_bound(runs[0][0], runs[0][1], x, w, dy, what=f"{dtype} seed {seed}")
         dx_op, dw_op = geglu.ops.rms_norm_backward.default(dy, x, w, EPS, 1.0)  # rstd recomputed
         assert_bwd_bound(dx_op, dw_op, x, w, dy, what=f"op path, {dtype} seed {seed}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the kernels compile for the H200 (sm_90) without a GPU
+# ----------------------------------------------------------------------------------------------------------------
+
+_AOT = r'''
+import importlib, json, subprocess, sys, tempfile
+from pathlib import Path
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+
+
+class TargetOnly:  # what JITFunction.warmup asks of the driver; nothing is launched
+    def get_current_device(self): return 0
+    def get_current_stream(self, device=None): return 0
+    def get_current_target(self): return GPUTarget("cuda", 90, 32)
+    def get_active_torch_device(self):
+        import torch
+        return torch.device("cpu")
+    def is_active(self): return True
+
+
+driver.set_active(TargetOnly())
+import torch
+import kernels
+
+pkg = kernels.get_local_kernel(Path(sys.argv[1])).__name__
+kt = importlib.import_module(pkg + "._rmsnorm_triton")
+importlib.import_module(pkg + "._triton")._SM_COUNT[0] = 132  # the H200's SMs, for the plans
+cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+dev = torch.device("cuda", 0)
+out = []
+
+
+def usage(ck):
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "k.cubin").write_bytes(ck.asm["cubin"])
+        res = subprocess.run([str(cuobjdump), "--dump-resource-usage", str(Path(d) / "k.cubin")],
+                             capture_output=True, text=True, check=True).stdout
+    line = next(l for l in res.splitlines() if "REG:" in l)
+    return {k: int(v) for k, v in (f.split(":") for f in line.split() if f.split(":")[0] in ("REG", "STACK", "LOCAL"))}
+
+
+for dt in (torch.bfloat16, torch.float32):
+    for M, D in [(16384, 2560), (131072, 256), (16384, 5376), (4096, 16384), (3, 20000), (7, 1)]:
+        for flag in (True, False):
+            x, w, y, r = torch.empty(M, D, dtype=dt), torch.empty(D, dtype=dt), torch.empty(M, D, dtype=dt), torch.empty(M)
+            common = dict(D=D, EPS=kt.f32(1e-6), INV_D=kt.inv_d(D), OFFSET=1.0, enable_fp_fusion=False, grid=(1,))
+            grid, bm, bd, nw, looped = kt.fwd_plan(M, D, dev)
+            if looped:
+                ck = kt._fwd_looped_kernel.warmup(x, w, y, r, D, D, CHUNK=bd, SAVE_RSTD=flag, num_warps=nw, **common)
+            else:
+                ck = kt._fwd_kernel.warmup(x, w, y, r, M, D, D, BLOCK_M=bm, BLOCK_D=bd, SAVE_RSTD=flag, num_warps=nw,
+                                           **common)
+            out.append(dict(kind="fwd", dtype=str(dt), M=M, D=D, flag=flag, **usage(ck)))
+            grid, bm, bd, nw, looped = kt.bwd_plan(M, D, dev)
+            args = (y, x, w, r, y, torch.empty(grid[0], D), M, D, D, D)
+            if looped:
+                ck = kt._bwd_looped_kernel.warmup(*args, CHUNK=bd, HAS_RSTD=flag, HAS_DW=flag, num_warps=nw, **common)
+            else:
+                ck = kt._bwd_kernel.warmup(*args, BLOCK_M=bm, BLOCK_D=bd, HAS_RSTD=flag, HAS_DW=flag, num_warps=nw,
+                                           **common)
+            out.append(dict(kind="bwd", dtype=str(dt), M=M, D=D, flag=flag, **usage(ck)))
+ck = kt._dw_kernel.warmup(torch.empty(8, 2560), torch.empty(2560, dtype=torch.bfloat16), 8, D=2560, BLOCK_G=32,
+                          BLOCK_C=128, num_warps=4, enable_fp_fusion=False, grid=(1,))
+out.append(dict(kind="dw", dtype="torch.bfloat16", M=8, D=2560, flag=True, **usage(ck)))
+print(json.dumps(out))
+'''
+
+
+def test_kernels_compile_for_sm90_without_spills(build_dir, tmp_path):
+    """Every kernel with the plans of the benchmark's shapes compiles for sm_90 (Triton's bundled ptxas, no GPU
+    needed), and keeps its registers: no stack or local memory, except the backward at rows of 16384 (x, dy and
+    the dw partial of 16 elements each per thread, in 32 warps), which spills a little."""
+    import triton
+
+    bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    if not (bindir / "ptxas").is_file() or not (bindir / "cuobjdump").is_file():
+        pytest.skip("this Triton has no bundled ptxas / cuobjdump")
+    script = tmp_path / "aot.py"
+    script.write_text(_AOT)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    r = subprocess.run([sys.executable, str(script), str(build_dir)], capture_output=True, text=True, env=env,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    rows = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(rows) == 2 * 6 * 2 * 2 + 1
+    for row in rows:
+        spills = row["STACK"] + row["LOCAL"]
+        if row["kind"] == "bwd" and row["D"] == 16384 and row["flag"]:
+            continue
+        assert spills == 0, row
