@@ -4,6 +4,7 @@ tests/tools/test_transformers_rmsnorm.py."""
 import math
 import zlib
 
+import pytest
 import torch
 
 E32 = torch.finfo(torch.float32).eps
@@ -122,3 +123,16 @@ def no_worse_than_eager(y, ye, ref, dtype):
 # value of T), fp32 in 7-9 % over many rows and up to 22 % over 3 rows; excess <= 2.9 fp32 ulps.
 WORSE_FRACTION = {torch.bfloat16: 1e-3, torch.float16: 1e-3, torch.float32: 0.5}
 WORSE_EXCESS_ULP32 = 8.0
+
+
+@pytest.fixture(params=["triton"] if torch.cuda.is_available() else ["cpu", "triton"])
+def norm_impl(request, geglu):
+    """(implementation, device) for the norm tests: on a GPU the Triton kernels (the norm has no compiled CUDA
+    implementation, so conftest's 'cuda' and 'triton' would run the same code twice); on CPU the CPU implementation
+    (backend 'auto') and the Triton kernels under the interpreter (backend 'triton')."""
+    name = request.param
+    geglu.set_backend("auto" if name == "cpu" or torch.cuda.is_available() else "triton")
+    try:
+        yield name, ("cuda" if torch.cuda.is_available() else "cpu")
+    finally:
+        geglu.set_backend("auto")

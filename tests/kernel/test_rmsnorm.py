@@ -27,6 +27,7 @@ from ._rmsnorm_reference import (DTYPES, E32, EPS, WORSE_EXCESS_ULP32, WORSE_FRA
                                  host, host_grads, no_worse_than_eager, ref64)
 from ._rmsnorm_reference import data as _data
 from ._rmsnorm_reference import seed_of as _seed
+from ._rmsnorm_reference import norm_impl  # noqa: F401  (the fixture)
 
 def _mod(geglu, name):
     return importlib.import_module(f"{geglu.__name__}.{name}")
@@ -62,8 +63,8 @@ DTYPE_PAIRS = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
 @pytest.mark.parametrize("scale", [1.0, 1e-3, 30.0], ids=["unit", "eps-sized", "large"])
 @pytest.mark.parametrize("dtype,wdtype", DTYPE_PAIRS, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_forward(impl, geglu, shape, dtype, wdtype, scale):
-    name, device = impl
+def test_forward(norm_impl, geglu, shape, dtype, wdtype, scale):
+    name, device = norm_impl
     seed = _seed("fwd", shape, dtype, wdtype, scale)
     x, w, _ = _data(shape, dtype, wdtype, scale, seed, device)
     y = geglu.rms_norm(x, w, EPS)
@@ -81,8 +82,8 @@ def test_forward(impl, geglu, shape, dtype, wdtype, scale):
 
 @pytest.mark.parametrize("dtype,wdtype", DTYPE_PAIRS, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_backward(impl, geglu, shape, dtype, wdtype):
-    name, device = impl
+def test_backward(norm_impl, geglu, shape, dtype, wdtype):
+    name, device = norm_impl
     seed = _seed("bwd", shape, dtype, wdtype)
     x, w, dy = _data(shape, dtype, wdtype, 1.0, seed, device)
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -102,9 +103,9 @@ def test_backward(impl, geglu, shape, dtype, wdtype):
 
 
 @pytest.mark.parametrize("eps,offset", [(0.1, 1.0), (0.0, 1.0), (1e-6, 0.0), (1e-5, 2.5)])
-def test_eps_and_offset(impl, geglu, eps, offset):
+def test_eps_and_offset(norm_impl, geglu, eps, offset):
     """eps large enough to matter, zero, and the scale offset + w for offsets other than Gemma's 1."""
-    name, device = impl
+    name, device = norm_impl
     seed = _seed("eps", eps, offset)
     x, w, dy = _data((16, 384), torch.bfloat16, torch.float32, 0.3, seed, device)
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -119,10 +120,10 @@ def test_eps_and_offset(impl, geglu, eps, offset):
 
 
 @pytest.mark.parametrize("dtype,wdtype", DTYPE_PAIRS, ids=str)
-def test_kernel_rounds_like_eager_given_its_rstd(impl, geglu, dtype, wdtype):
+def test_kernel_rounds_like_eager_given_its_rstd(norm_impl, geglu, dtype, wdtype):
     """Bit for bit, the kernel's output is eager's rounding sequence on its own r: fl(fl(x * r) * fl(1 + w)),
     rounded once to x's dtype (round to nearest even); r itself is within a few fp32 ulps of the exact one."""
-    name, device = impl
+    name, device = norm_impl
     if name == "cpu":
         pytest.skip("the CPU implementation is eager itself (test_forward)")
     tri = _mod(geglu, "_rmsnorm_triton")
@@ -163,8 +164,8 @@ LAYOUTS = ["heads-transposed", "row-slice", "last-dim-strided", "expanded", "bat
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_layouts(impl, geglu, layout):
-    name, device = impl
+def test_layouts(norm_impl, geglu, layout):
+    name, device = norm_impl
     seed = _seed("layout", layout)
     leaf, view = _layout(layout, device, torch.bfloat16, seed)
     x = view(leaf)
@@ -189,8 +190,8 @@ def test_layouts(impl, geglu, layout):
             assert_bwd_bound(dx, dw, x, w, dy, what=f"seed {seed}")
 
 
-def test_dw_is_deterministic(impl, geglu):
-    name, device = impl
+def test_dw_is_deterministic(norm_impl, geglu):
+    name, device = norm_impl
     for shape in [(300, 512), (3, 20000)]:  # several rows per program; the looped wide-row kernel
         x, w, dy = _data(shape, torch.bfloat16, torch.float32, 1.0, _seed("det", shape), device)
         runs = []
@@ -201,8 +202,8 @@ def test_dw_is_deterministic(impl, geglu):
         assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
 
 
-def test_gradients_only_where_asked(impl, geglu):
-    name, device = impl
+def test_gradients_only_where_asked(norm_impl, geglu):
+    name, device = norm_impl
     x, w, dy = _data((8, 96), torch.float32, seed=_seed("needs"), device=device)
     wr = w.clone().requires_grad_()
     geglu.rms_norm(x, wr, EPS).backward(dy)
@@ -223,8 +224,8 @@ def test_gradients_only_where_asked(impl, geglu):
 
 
 @pytest.mark.parametrize("requires_grad", [False, True])
-def test_opcheck(impl, geglu, requires_grad):
-    name, device = impl
+def test_opcheck(norm_impl, geglu, requires_grad):
+    name, device = norm_impl
     for dtype, wdtype, shape in [(torch.float32, torch.float32, (3, 5, 24)), (torch.bfloat16, torch.float32, (4, 33))]:
         x, w, dy = _data(shape, dtype, wdtype, seed=_seed("opcheck", shape), device=device)
         torch.library.opcheck(geglu.ops.rms_norm.default,
@@ -235,9 +236,9 @@ def test_opcheck(impl, geglu, requires_grad):
     torch.library.opcheck(geglu.ops.rms_norm.default, (xt, torch.zeros(xt.shape[-1], device=device), EPS, 1.0))
 
 
-def test_compile_fullgraph_forward_backward(impl, geglu):
+def test_compile_fullgraph_forward_backward(norm_impl, geglu):
     """The public function under torch.compile(fullgraph=True) runs the op: no graph break, eager's results."""
-    name, device = impl
+    name, device = norm_impl
     torch._dynamo.reset()
     graphs = []
 
@@ -369,8 +370,8 @@ def _mapping(build_dir, device):
     return {"GemmaRMSNorm": {device: LocalLayerRepository(repo_path=build_dir, layer_name="GemmaRMSNorm")}}
 
 
-def test_layer_rules_and_kernel_runs_in_inference_and_training(impl, geglu, build_dir, monkeypatch):
-    name, device = impl
+def test_layer_rules_and_kernel_runs_in_inference_and_training(norm_impl, geglu, build_dir, monkeypatch):
+    name, device = norm_impl
     seed = _seed("layer", name)
     model, ref = _models(device, torch.float32, seed)
     calls = Calls(geglu, monkeypatch)
@@ -404,9 +405,9 @@ def test_layer_rules_and_kernel_runs_in_inference_and_training(impl, geglu, buil
         assert (p.grad - q.grad).abs().max().item() <= 1e-5 * q.grad.abs().max().item(), f"gradient of {pname}"
 
 
-def test_layer_under_compile_runs_the_hosts_math(impl, geglu, build_dir, monkeypatch):
+def test_layer_under_compile_runs_the_hosts_math(norm_impl, geglu, build_dir, monkeypatch):
     """Mode.TORCH_COMPILE: one graph with no opaque norm op (Inductor can fuse the host's math), eager's result."""
-    name, device = impl
+    name, device = norm_impl
     model, ref = _models(device, torch.float32, _seed("layer-compile"))
     with use_kernel_mapping(_mapping(build_dir, device)):
         kernelize(model, mode=Mode.INFERENCE | Mode.TORCH_COMPILE, device=device)
@@ -427,8 +428,8 @@ def test_layer_under_compile_runs_the_hosts_math(impl, geglu, build_dir, monkeyp
     assert calls.take() == {}
 
 
-def test_layer_keeps_the_hosts_math_for_other_dtypes(impl, geglu, build_dir, monkeypatch):
-    name, device = impl
+def test_layer_keeps_the_hosts_math_for_other_dtypes(norm_impl, geglu, build_dir, monkeypatch):
+    name, device = norm_impl
     norm = HostNorm(32).to(device=device, dtype=torch.float64)
     ref = HostNorm(32).to(device=device, dtype=torch.float64)
     with use_kernel_mapping(_mapping(build_dir, device)):

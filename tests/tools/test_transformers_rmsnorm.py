@@ -28,6 +28,7 @@ from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping  #
 from kerneltools.transformers_kernels import (  # noqa: E402
     KEY_PREFIX, NORM_CLASSES, NOT_SUPPORTED, register_geglu_kernels)
 from tests.kernel._rmsnorm_reference import assert_bwd_bound, assert_fwd_bound, data, seed_of  # noqa: E402
+from tests.kernel._rmsnorm_reference import norm_impl  # noqa: E402, F401  (the fixture)
 
 RTOL = 1e-5  # observed worst case under the interpreter: logits 3.7e-7, loss 9.8e-8, gradients 1.6e-6
 SUPPORTED = [h for h in NORM_CLASSES if h.status != NOT_SUPPORTED]
@@ -141,8 +142,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("row", SUPPORTED, ids=lambda h: h.name)
-def test_every_supported_class_as_a_module(impl, build_dir, monkeypatch, row, dtype):
-    name, device = impl
+def test_every_supported_class_as_a_module(norm_impl, build_dir, monkeypatch, row, dtype):
+    name, device = norm_impl
     seed = seed_of("module", row.name, dtype)
     x, w, dy = data((2, 5, 48), dtype, dtype, 1.0, seed, device)
     ref = row.load()(48, eps=1e-6).to(device=device, dtype=dtype)
@@ -165,8 +166,8 @@ def test_every_supported_class_as_a_module(impl, build_dir, monkeypatch, row, dt
     assert_bwd_bound(xa.grad, mod.weight.grad, x, w, dy, 1e-6, what=f"{row.name} seed {seed}")
 
 
-def test_grouped_norm_keeps_its_own_forward(impl, build_dir):
-    name, device = impl
+def test_grouped_norm_keeps_its_own_forward(norm_impl, build_dir):
+    name, device = norm_impl
     cls = next(h for h in SUPPORTED if h.name in GROUPED).load()
     grouped, plain = cls(48, group_size=16).to(device), cls(48).to(device)
     with use_kernel_mapping(_mapping(build_dir, device), inherit_mapping=False):
@@ -201,8 +202,8 @@ def _model(family, device, seed):
 
 
 @pytest.mark.parametrize("family", list(MODELS))
-def test_tiny_model_inference_and_training(impl, build_dir, monkeypatch, family):
-    name, device = impl
+def test_tiny_model_inference_and_training(norm_impl, build_dir, monkeypatch, family):
+    name, device = norm_impl
     seed = seed_of("model", family)
     ref, model, norm_name = _model(family, device, seed)
     count = MODELS[family][4]
