@@ -172,7 +172,9 @@ def _rest(log: _Log, build_dir: Path, endpoint: str) -> int:
 
     from .transformers_kernels import register_geglu_kernels
 
-    reg = register_geglu_kernels(REPO_ID, version=1, devices=(device,))  # the one call users make
+    # the one call users make; norms=False: this demo checks the GeGLU MLPs bit for bit, and on a GPU the fused
+    # Gemma RMSNorm is within one ulp of eager, not bit-exact (docs/rmsnorm.md)
+    reg = register_geglu_kernels(REPO_ID, version=1, devices=(device,), norms=False)
     log.info(f"register_geglu_kernels: {len(reg.classes)} transformers GeGLU classes mapped to {REPO_ID} v1")
     kernelize(model, mode=Mode.INFERENCE, device=device)
     swapped = sum(isinstance(m, GemmaMLP) and "GeGLUMLP" in m.forward.__qualname__ for m in model.modules())

@@ -30,6 +30,9 @@ GEMMs, becomes a call of a gate layer (:class:`ExpertsGate`, the layer kernels m
 ``GeGLUExperts``, which runs the eager implementation's loop with the packed gate and calls the class's own
 forward (the dispatch) for every other implementation. docs/transformers.md says why.
 
+With ``norms=True`` (the default) the same is done for the Gemma RMSNorm classes of :data:`NORM_CLASSES` (layer
+``GemmaRMSNorm``, docs/rmsnorm.md).
+
 The keys are ``"geglu.<Layer>"``, not the bare layer names: transformers' own default mapping, which
 ``from_pretrained(use_kernels=True)`` and ``set_use_kernels`` register again on every call, has a ``"GeGLUMLP"``
 entry for cuda pointing at Liger's tanh-only GEGLU kernels. It would replace ours under that key, and these classes
@@ -184,6 +187,55 @@ GEGLU_CLASSES: tuple[HostClass, ...] = (
 )
 
 
+# --- Gemma's RMSNorm ----------------------------------------------------------------------------------------------
+# Classes whose forward is GemmaRMSNorm's, ``(x.float() * rsqrt(mean(x.float()^2) + eps) * (1.0 +
+# w.float())).type_as(x)``, op for op (a test compares their source), and the Gemma-family norms that differ.
+# "supported-approx": on CUDA within one ulp of the output dtype against fp64, not bit-exact (the row sum is taken
+# in another order; docs/rmsnorm.md); on CPU bit-exact.
+
+
+def _n(model, name, note="", layer="GemmaRMSNorm", status=SUPPORTED_APPROX):
+    return HostClass(model, name, layer, status, "", note)
+
+
+_NO_ONE_PLUS = "scale w (not 1 + w), torch.pow(ms, -0.5) instead of rsqrt, and no weight when with_scale=False"
+
+NORM_CLASSES: tuple[HostClass, ...] = (
+    _n("gemma", "GemmaRMSNorm"),
+    _n("gemma2", "Gemma2RMSNorm"),
+    _n("gemma3", "Gemma3RMSNorm", note="also q_norm / k_norm (rows of head_dim) and the multimodal projector"),
+    _n("recurrent_gemma", "RecurrentGemmaRMSNorm"),
+    _n("t5gemma", "T5GemmaRMSNorm"),
+    _n("t5gemma2", "T5Gemma2RMSNorm"),
+    _n("vaultgemma", "VaultGemmaRMSNorm"),
+    _n("qwen3_next", "Qwen3NextRMSNorm", note="Gemma's form in a SwiGLU model"),
+    _n("qwen3_5", "Qwen3_5RMSNorm", note="as Qwen3NextRMSNorm"),
+    _n("qwen3_5_moe", "Qwen3_5MoeRMSNorm", note="as Qwen3NextRMSNorm"),
+    _n("qwen4_exp", "Qwen4ExpTextRMSNorm", note="instances with group_size=None; grouped ones keep their forward"),
+    _n("step3p7", "Step3p7RMSNorm"),
+    _n("minimax_m3_vl", "MiniMaxM3VLRMSNorm"),
+    _n("muse_glimmer", "MuseGlimmerTextCenteredRMSNorm"),
+    _n("gemma3n", "Gemma3nRMSNorm", layer=None, status=NOT_SUPPORTED, note=_NO_ONE_PLUS),
+    _n("gemma4", "Gemma4RMSNorm", layer=None, status=NOT_SUPPORTED, note="as Gemma3nRMSNorm"),
+    _n("gemma4_unified", "Gemma4UnifiedRMSNorm", layer=None, status=NOT_SUPPORTED, note="as Gemma3nRMSNorm"),
+    _n("embedding_gemma2", "EmbeddingGemma2RMSNorm", layer=None, status=NOT_SUPPORTED, note="as Gemma3nRMSNorm"),
+    _n("diffusion_gemma", "DiffusionGemmaRMSNorm", layer=None, status=NOT_SUPPORTED, note="as Gemma3nRMSNorm"),
+    _n("muse_spark", "MuseSparkTextCenteredRMSNorm", layer=None, status=NOT_SUPPORTED,
+       note="(1.0 + weight).float(): the scale is rounded in the weight's dtype"),
+    _n("muse_spark", "MuseSparkTextInputScaledRMSNorm", layer=None, status=NOT_SUPPORTED,
+       note="scales before normalizing, through a round trip to x's dtype"),
+)
+
+
+def _norm_condition(module) -> bool:
+    """A norm the layer computes: a 1-D weight, a float eps and no grouping (Qwen4ExpTextRMSNorm's group_size)."""
+    import torch
+
+    weight = getattr(module, "weight", None)
+    return (isinstance(weight, torch.Tensor) and weight.dim() == 1 and isinstance(getattr(module, "eps", None), float)
+            and getattr(module, "group_size", None) is None)
+
+
 def is_kernel_gelu(act: Any) -> bool:
     """Whether ``act`` (a host's activation) computes a GELU the kernel computes (erf or tanh form)."""
     import torch
@@ -289,7 +341,8 @@ def _repository(repo_id: str, layer: str, *, version, revision, lockfile, trust_
 
 def register_geglu_kernels(repo_id: str = DEFAULT_REPO_ID, *, version: int | None = 1, revision: str | None = None,
                            lockfile: str | Path | None = None, trust_remote_code: bool = False,
-                           devices: Sequence[str] = ("cuda", "cpu"), register: bool = True) -> GeGLURegistration:
+                           devices: Sequence[str] = ("cuda", "cpu"), register: bool = True,
+                           norms: bool = True) -> GeGLURegistration:
     """Make ``kernels.kernelize`` replace the forward of every supported transformers GeGLU class with the
     GeGLU hub kernel's layer.
 
@@ -305,6 +358,9 @@ def register_geglu_kernels(repo_id: str = DEFAULT_REPO_ID, *, version: int | Non
             speed-up; useful for tests and CPU-only CI).
         register: register the mapping globally (``kernels.register_kernel_mapping``, merged into the current
             one). With False it is only returned, for ``with kernels.use_kernel_mapping(reg.mapping): ...``.
+        norms: also map the Gemma RMSNorm classes of :data:`NORM_CLASSES` to the layer ``GemmaRMSNorm`` (the
+            default). On CUDA the fused norm is within one ulp of eager's output, not bit-exact
+            (docs/rmsnorm.md); ``norms=False`` keeps the hosts' own norms, for bit-exact models.
 
     Every mode is mapped: Mode.INFERENCE, Mode.TRAINING, Mode.INFERENCE | Mode.TORCH_COMPILE and
     Mode.TRAINING | Mode.TORCH_COMPILE (the layers have a backward and compile with ``fullgraph=True``).
@@ -348,6 +404,19 @@ def register_geglu_kernels(repo_id: str = DEFAULT_REPO_ID, *, version: int | Non
             repos[host.gate_layer] = _repository(repo_id, host.gate_layer, version=version, revision=revision,
                                                  lockfile=lockfile, trust_remote_code=trust_remote_code)
         reg.mapping[host.gate_key] = {device: {mode: repos[host.gate_layer] for mode in modes} for device in devices}
+    for host in NORM_CLASSES if norms else ():
+        if host.layer is None:
+            continue
+        cls = host.load()
+        if cls is None:
+            reg.skipped.append(f"{host.module}.{host.name}")
+            continue
+        replace_kernel_forward_from_hub(cls, host.key, _norm_condition)
+        reg.classes[f"{host.module}.{host.name}"] = cls
+        if host.layer not in repos:
+            repos[host.layer] = _repository(repo_id, host.layer, version=version, revision=revision,
+                                            lockfile=lockfile, trust_remote_code=trust_remote_code)
+        reg.mapping[host.key] = {device: {mode: repos[host.layer] for mode in modes} for device in devices}
     if register:
         register_kernel_mapping(reg.mapping)
         # kernelize warns "No kernel mapping found for layer X" for every module of a hub layer name that has no
@@ -409,15 +478,22 @@ def geglu_kernel_config(model: Any, repo_id: str = DEFAULT_REPO_ID, *, version: 
 
 
 def classes_markdown() -> str:
-    """:data:`GEGLU_CLASSES` as the Markdown table of docs/transformers.md (a test keeps the two equal)."""
+    """:data:`GEGLU_CLASSES` and :data:`NORM_CLASSES` as the Markdown tables of docs/transformers.md and the README
+    (a test keeps them equal)."""
     lines = ["| model | class | status | default activation | hub layer | notes |", "|---|---|---|---|---|---|"]
     for h in GEGLU_CLASSES:
         layer = f"`{h.layer}`" if h.layer else "–"
         if h.gate_layer:
             layer += f" + `{h.gate_layer}`"
         lines.append(f"| {h.model} | `{h.name}` | {h.status} | {h.activation} | {layer} | {h.note} |")
+    lines += ["", "Gemma RMSNorm classes (mapped unless `register_geglu_kernels(norms=False)`; docs/rmsnorm.md):", "",
+              "| model | class | status | hub layer | notes |", "|---|---|---|---|---|"]
+    for h in NORM_CLASSES:
+        layer = f"`{h.layer}`" if h.layer else "–"
+        lines.append(f"| {h.model} | `{h.name}` | {h.status} | {layer} | {h.note} |")
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["register_geglu_kernels", "geglu_kernel_config", "GEGLU_CLASSES", "HostClass", "GeGLURegistration",
-           "is_kernel_gelu", "classes_markdown", "experts_gate", "ExpertsGate", "DEFAULT_REPO_ID", "KEY_PREFIX"]
+__all__ = ["register_geglu_kernels", "geglu_kernel_config", "GEGLU_CLASSES", "NORM_CLASSES", "HostClass",
+           "GeGLURegistration", "is_kernel_gelu", "classes_markdown", "experts_gate", "ExpertsGate", "DEFAULT_REPO_ID",
+           "KEY_PREFIX"]

@@ -10,6 +10,7 @@ from ._backend import get_backend, set_backend
 from ._config import Config, configure, get_config
 from ._ops import HAS_CUDA_LIB, ops
 from .functional import geglu, geglu_backward, geglu_packed, gelu_and_mul, gelu_tanh_and_mul
+from ._rmsnorm import rms_norm
 
 __all__ = [
     "geglu",
@@ -20,6 +21,7 @@ __all__ = [
     "configure",
     "get_config",
     "Config",
+    "rms_norm",
     "set_backend",
     "get_backend",
     "HAS_CUDA_LIB",

@@ -12,6 +12,7 @@ from torch import nn
 
 from . import _experts, _mlp
 from ._activations import gelu_approximation
+from ._rmsnorm import host_forward as _gemma_norm_host, layer_forward as _gemma_norm
 from .functional import geglu, geglu_packed
 
 
@@ -299,6 +300,35 @@ class GeGLUExperts(nn.Module):
         return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
 
 
+
+
+# --- Gemma's RMSNorm -------------------------------------------------------------------------------------------
+
+
+class GemmaRMSNorm(nn.Module):
+    """Replaces transformers' ``GemmaRMSNorm`` and the classes with its forward (Gemma 2, Gemma 3, T5Gemma, ...):
+    ``(x.float() * rsqrt(mean(x.float()^2, -1) + eps) * (1.0 + weight.float())).type_as(x)``, one fused kernel
+    forward and one backward (dx and a deterministic dw) on CUDA, the host's own ops on CPU.
+
+    Shapes: x ``[..., D]`` (q_norm / k_norm rows of head_dim included), weight ``[D]``; output like x.
+
+    Under torch.compile the layer runs the host's own math (a constant branch: no guard, no graph break), so that
+    Inductor fuses the norm with its neighbours (residual adds, casts) as it does for the unkernelized model; the
+    opaque op would keep them apart. Tensor subclasses (DTensor) and functorch transforms also get the host's math.
+    """
+
+    can_torch_compile = True
+    has_backward = True
+
+    weight: torch.Tensor
+    eps: float
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return _gemma_norm_host(x, self.weight, self.eps)
+        return _gemma_norm(x, self.weight, self.eps)
+
+
 __all__ = [
     "GeluAndMul",
     "GeluTanhAndMul",
@@ -313,4 +343,5 @@ __all__ = [
     "CpmAntGeGLU",
     "GeGLUExpertsGate",
     "GeGLUExperts",
+    "GemmaRMSNorm",
 ]

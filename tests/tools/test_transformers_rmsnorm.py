@@ -1,0 +1,242 @@
+"""Gemma's RMSNorm in transformers models: the classes of NORM_CLASSES, swapped by kernels' kernelize for the hub
+layer GemmaRMSNorm of a local build of this checkout (``kernels.LocalLayerRepository``: no Hub needed, so the
+checks run in this process).
+
+* The table: every supported class has GemmaRMSNorm's forward (source compared), the unsupported ones differ, and
+  no other class of transformers 5.22.2 has it.
+* Every supported class as a single module, and tiny random Gemma 3 and Gemma 2 models (their GeGLU MLPs
+  kernelized too): on CPU bit-exact with eager (logits, loss, every gradient); with the Triton kernels (the
+  interpreter here, the GPU where there is one) each norm within its bound (docs/rmsnorm.md) and the model's
+  outputs and gradients within RTOL of eager's, normwise: ``max|ours - eager| <= RTOL * max|eager|`` per tensor.
+* Each check counts the calls of the loaded kernel's implementations: a test cannot pass because nothing ran.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping  # noqa: E402
+
+from kerneltools.transformers_kernels import (  # noqa: E402
+    KEY_PREFIX, NORM_CLASSES, NOT_SUPPORTED, register_geglu_kernels)
+from tests.kernel._rmsnorm_reference import assert_bwd_bound, assert_fwd_bound, data, seed_of  # noqa: E402
+from tests.kernel._rmsnorm_reference import norm_impl  # noqa: E402, F401  (the fixture)
+
+RTOL = 1e-5  # observed worst case under the interpreter: logits 3.7e-7, loss 9.8e-8, gradients 1.6e-6
+SUPPORTED = [h for h in NORM_CLASSES if h.status != NOT_SUPPORTED]
+GROUPED = {"Qwen4ExpTextRMSNorm"}  # Gemma's forward when group_size is None (the registration's condition)
+
+
+def _methods(tree: ast.ClassDef) -> dict:
+    return {n.name: ast.dump(n, annotate_fields=False) for n in tree.body if isinstance(n, ast.FunctionDef)}
+
+
+def _class_methods(cls) -> dict:
+    import inspect
+
+    src = inspect.getsource(sys.modules[cls.__module__])
+    node = next(n for n in ast.parse(src).body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
+    return _methods(node)
+
+
+def _gemma_methods() -> dict:
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+    m = _class_methods(GemmaRMSNorm)
+    return {k: m[k] for k in ("forward", "_norm")}
+
+
+def test_the_table_is_every_class_with_gemmas_forward():
+    ref = _gemma_methods()
+    for h in NORM_CLASSES:
+        cls = h.load()
+        assert cls is not None, f"{h.module}.{h.name} is missing from transformers {transformers.__version__}"
+        m = _class_methods(cls)
+        same = {k: m.get(k) == v for k, v in ref.items()}
+        if h.status == NOT_SUPPORTED:
+            assert not all(same.values()), f"{h.name} has Gemma's forward: support it"
+        elif h.name in GROUPED:
+            assert same["forward"] and not same["_norm"], h.name
+        else:
+            assert all(same.values()), f"{h.name}'s forward or _norm differs from GemmaRMSNorm's: {same}"
+    # no other class of transformers has it (the text filter keeps the scan to the files that can)
+    found = set()
+    for path in sorted(Path(transformers.__file__).parent.glob("models/*/modeling_*.py")):
+        text = path.read_text()
+        if "1.0 + self.weight.float()" not in text:
+            continue
+        for node in ast.parse(text).body:
+            if isinstance(node, ast.ClassDef):
+                m = _methods(node)
+                if all(m.get(k) == v for k, v in ref.items()):
+                    found.add(node.name)
+    assert found == {h.name for h in SUPPORTED} - GROUPED
+
+
+def test_registration_maps_the_norms_unless_told_not_to():
+    reg = register_geglu_kernels(register=False)
+    key = KEY_PREFIX + "GemmaRMSNorm"
+    assert set(reg.mapping[key]) == {"cuda", "cpu"} and len(reg.mapping[key]["cpu"]) == 4
+    assert {f"{h.module}.{h.name}" for h in SUPPORTED} <= set(reg.classes)
+    assert all(h.load().kernel_layer_name == key for h in SUPPORTED)
+    off = register_geglu_kernels(register=False, norms=False)
+    assert key not in off.mapping and not any("RMSNorm" in c for c in off.classes)
+    assert KEY_PREFIX + "GeGLUMLP" in off.mapping
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# kernelize with the local build
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _mapping(build_dir, device):
+    register_geglu_kernels(register=False)  # gives the classes their keys; the mapping is the local build's
+    return {KEY_PREFIX + layer: {device: LocalLayerRepository(repo_path=build_dir, layer_name=layer)}
+            for layer in ("GemmaRMSNorm", "GeGLUMLP")}
+
+
+class Calls:
+    """Counts the runs of the kernel's norm implementations (wrapped, still called), found from the layer that
+    kernelize put on a module."""
+
+    def __init__(self, module, monkeypatch):
+        package = module.forward.__func__.__module__.rsplit(".", 1)[0]
+        self.n = {}
+        for mod_name, fn in (("_rmsnorm", "cpu_forward"), ("_rmsnorm_triton", "forward"),
+                             ("_rmsnorm_triton", "backward")):
+            mod = importlib.import_module(f"{package}.{mod_name}")
+            monkeypatch.setattr(mod, fn, self._counted(f"{mod_name}.{fn}", getattr(mod, fn)))
+
+    def _counted(self, key, fn):
+        self.n[key] = 0
+
+        def counted(*a, **k):
+            self.n[key] += 1
+            return fn(*a, **k)
+
+        return counted
+
+    def take(self):
+        out = {k: v for k, v in self.n.items() if v}
+        self.n = dict.fromkeys(self.n, 0)
+        return out
+
+
+def _expected(name: str, count: int, backward: bool) -> dict:
+    if name == "cpu":  # eager autograd records the CPU implementation's ops: no backward of ours
+        return {"_rmsnorm.cpu_forward": count}
+    return {"_rmsnorm_triton.forward": count, **({"_rmsnorm_triton.backward": count} if backward else {})}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() if b.numel() else 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("row", SUPPORTED, ids=lambda h: h.name)
+def test_every_supported_class_as_a_module(norm_impl, build_dir, monkeypatch, row, dtype):
+    name, device = norm_impl
+    seed = seed_of("module", row.name, dtype)
+    x, w, dy = data((2, 5, 48), dtype, dtype, 1.0, seed, device)
+    ref = row.load()(48, eps=1e-6).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        ref.weight.copy_(w)
+    mod = copy.deepcopy(ref)
+    with use_kernel_mapping(_mapping(build_dir, device), inherit_mapping=False):
+        kernelize(mod, mode=Mode.TRAINING, device=device)
+    assert mod.forward.__func__.__qualname__ == "GemmaRMSNorm.forward"
+    calls = Calls(mod, monkeypatch)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y, y_ref = mod(xa), ref(xb)
+    y.backward(dy)
+    y_ref.backward(dy)
+    assert calls.take() == _expected(name, 1, True)
+    if name == "cpu":
+        assert torch.equal(y, y_ref) and torch.equal(xa.grad, xb.grad) and torch.equal(mod.weight.grad, ref.weight.grad)
+        return
+    assert_fwd_bound(y.detach(), x, w, 1e-6, what=f"{row.name} seed {seed}")
+    assert_bwd_bound(xa.grad, mod.weight.grad, x, w, dy, 1e-6, what=f"{row.name} seed {seed}")
+
+
+def test_grouped_norm_keeps_its_own_forward(norm_impl, build_dir):
+    name, device = norm_impl
+    cls = next(h for h in SUPPORTED if h.name in GROUPED).load()
+    grouped, plain = cls(48, group_size=16).to(device), cls(48).to(device)
+    with use_kernel_mapping(_mapping(build_dir, device), inherit_mapping=False):
+        kernelize(grouped, mode=Mode.INFERENCE, device=device)
+        kernelize(plain, mode=Mode.INFERENCE, device=device)
+    assert "forward" not in grouped.__dict__, "a grouped norm was swapped"
+    assert plain.forward.__func__.__qualname__ == "GemmaRMSNorm.forward"
+
+
+L = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+         head_dim=16, vocab_size=128, max_position_embeddings=64, sliding_window=16, query_pre_attn_scalar=16)
+# (config, model, config kwargs, norm class, norms per forward)
+MODELS = {
+    # per layer: input, post-attention, pre- and post-feedforward norms, q_norm, k_norm; then the final norm
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(L, layer_types=["sliding_attention", "full_attention"]),
+               "Gemma3RMSNorm", 2 * 6 + 1),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", L, "Gemma2RMSNorm", 2 * 4 + 1),
+}
+
+
+def _model(family, device, seed):
+    cfg_name, model_name, kwargs, norm_name, _ = MODELS[family]
+    config = getattr(transformers, cfg_name)(**kwargs)
+    torch.manual_seed(seed)
+    ref = getattr(transformers, model_name)(config).to(device).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in ref.modules():  # transformers starts Gemma's norm weights at 0 (a scale of 1): make them count
+            if type(m).__name__ == norm_name:
+                m.weight.copy_(torch.randn(m.weight.shape, generator=g) * 0.5)
+    return ref, copy.deepcopy(ref), norm_name
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+def test_tiny_model_inference_and_training(norm_impl, build_dir, monkeypatch, family):
+    name, device = norm_impl
+    seed = seed_of("model", family)
+    ref, model, norm_name = _model(family, device, seed)
+    count = MODELS[family][4]
+    mapping = _mapping(build_dir, device)
+    with use_kernel_mapping(mapping, inherit_mapping=False):
+        kernelize(model, mode=Mode.INFERENCE, device=device)
+    norms = [m for m in model.modules() if type(m).__name__ == norm_name]
+    assert len(norms) == count and all(m.forward.__func__.__qualname__ == "GemmaRMSNorm.forward" for m in norms)
+    calls = Calls(norms[0], monkeypatch)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 128, (2, 8), generator=g).to(device)
+    labels = torch.randint(3, 128, (2, 8), generator=g).to(device)
+
+    with torch.no_grad():
+        logits, ref_logits = model(ids).logits, ref(ids).logits
+    assert calls.take() == _expected(name, count, False)
+
+    model.train(), ref.train()
+    with use_kernel_mapping(mapping, inherit_mapping=False):
+        kernelize(model, mode=Mode.TRAINING, device=device)
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    assert calls.take() == _expected(name, count, True)
+    ref_loss = ref(input_ids=ids, labels=labels).loss
+    ref_loss.backward()
+    grads = [(n, p.grad, q.grad) for (n, p), q in zip(model.named_parameters(), ref.parameters())]
+    assert all(a is not None and b is not None for _, a, b in grads)
+    if name == "cpu":
+        assert torch.equal(logits, ref_logits) and torch.equal(loss, ref_loss)
+        for n, a, b in grads:
+            assert torch.equal(a, b), f"gradient of {n}"
+        return
+    assert _rel(logits, ref_logits) <= RTOL, f"logits: {_rel(logits, ref_logits):.3g}"
+    assert _rel(loss, ref_loss) <= RTOL
+    worst = max(grads, key=lambda t: _rel(t[1], t[2]))
+    assert _rel(worst[1], worst[2]) <= RTOL, f"gradient of {worst[0]}: {_rel(worst[1], worst[2]):.3g}"

@@ -1,0 +1,296 @@
+"""Gemma's RMSNorm, fused: ``rms_norm(x, weight, eps, offset=1.0)``.
+
+The function of transformers' ``GemmaRMSNorm.forward`` (Gemma, Gemma 2, Gemma 3, ...)::
+
+    xf = x.float()
+    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).type_as(x)
+
+(https://github.com/huggingface/transformers/blob/v5.22.2/src/transformers/models/gemma3/modeling_gemma3.py):
+the scale is ``offset + w`` rounded to fp32 (``offset=1.0``: Gemma's ``1 + w``; ``offset=0.0``: ``w``), and the
+product is taken in fp32 before the one rounding to x's dtype.
+
+* CUDA tensors run the Triton kernels (``_rmsnorm_triton``: one read of x, one write of y; the backward reads x
+  and dy once and sums dw deterministically). Not bit-exact with eager: the row sum is taken in another order
+  (docs/rmsnorm.md gives and tests the bound).
+* CPU tensors run eager's own ops in the host's order (bit-exact with the host module, forward and backward);
+  with ``set_backend("triton")`` and ``TRITON_INTERPRET=1``, the Triton kernels under the interpreter (tests).
+
+Like the GeGLU functions: a torch.library op with a fake implementation and autograd for torch.compile, tracing,
+functorch and tensor subclasses; plain eager calls go straight to the implementation (and through a plain
+``torch.autograd.Function`` when a gradient is recorded), skipping the dispatcher's Python round trips.
+"""
+
+from typing import Tuple
+
+import torch
+from torch import Tensor
+from torch.nn import Parameter
+
+from . import _backend
+from ._checks import SUPPORTED_DTYPES
+from ._ops import add_op_namespace_prefix
+
+_is_compiling = torch.compiler.is_compiling
+_is_tracing = torch._C._is_tracing
+_functorch_active = torch._C._are_functorch_transforms_active
+_grad_enabled = torch.is_grad_enabled
+_OK_DTYPES = frozenset(SUPPORTED_DTYPES)
+
+_tri = None
+
+
+def _triton():
+    global _tri
+    if _tri is None:
+        from . import _rmsnorm_triton as mod
+
+        _tri = mod
+    return _tri
+
+
+# --- validation ----------------------------------------------------------------------------------------------
+
+
+def _ok(x: Tensor, weight: Tensor) -> bool:
+    """The common valid call in one pass; anything else goes through check_rms_norm's detailed messages."""
+    return (x.dtype in _OK_DTYPES and weight.dtype in _OK_DTYPES and weight.dim() == 1 and x.dim() > 0
+            and weight.shape[0] == x.shape[-1] and weight.device == x.device)
+
+
+def check_rms_norm(x: Tensor, weight: Tensor) -> None:
+    """x [..., D] and weight [D]: float32/float16/bfloat16 (each its own), one device."""
+    if isinstance(x, Tensor) and isinstance(weight, Tensor) and _ok(x, weight):
+        return
+    for name, t in (("x", x), ("weight", weight)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"geglu.rms_norm: {name} must be a torch.Tensor, got {type(t).__name__}.")
+        if t.dtype not in _OK_DTYPES:
+            raise TypeError(f"geglu.rms_norm: {name} has dtype {t.dtype}; expected torch.float32, torch.float16 or "
+                            f"torch.bfloat16. Cast it first, e.g. {name}.to(torch.bfloat16).")
+    if x.dim() == 0:
+        raise ValueError("geglu.rms_norm: x is a 0-dim tensor; expected at least one dimension (the normalized "
+                         "last dimension).")
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"geglu.rms_norm: weight has shape {tuple(weight.shape)}; expected ({x.shape[-1]},), "
+                         f"one scale per element of x's last dimension (x has shape {tuple(x.shape)}).")
+    if weight.device != x.device:
+        raise ValueError(f"geglu.rms_norm: x is on {x.device} but weight is on {weight.device}; expected one device. "
+                         "Move them with .to(device).")
+
+
+def _check_grad(grad: Tensor, x: Tensor) -> None:
+    if not isinstance(grad, Tensor) or grad.dtype not in _OK_DTYPES:
+        what = grad.dtype if isinstance(grad, Tensor) else type(grad).__name__
+        raise TypeError(f"geglu.rms_norm_backward: grad must be a float32/float16/bfloat16 tensor, got {what}.")
+    if grad.shape != x.shape or grad.device != x.device:
+        raise ValueError(f"geglu.rms_norm_backward: grad has shape {tuple(grad.shape)} on {grad.device}; expected "
+                         f"x's shape {tuple(x.shape)} on {x.device}.")
+
+
+def _as_float(v, name: str) -> float:
+    if type(v) is float:
+        return v
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"geglu.rms_norm: {name} must be a float, got {type(v).__name__}.")
+    return float(v)
+
+
+# --- implementations -------------------------------------------------------------------------------------------
+
+
+def host_forward(x: Tensor, weight: Tensor, eps: float, offset: float = 1.0) -> Tensor:
+    """The host module's own math, op for op (what CPU tensors run, and what the layer runs under torch.compile)."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * (offset + weight.float())).type_as(x)
+
+
+def cpu_forward(x: Tensor, weight: Tensor, eps: float, offset: float) -> Tensor:
+    """The CPU implementation: eager's ops in the host's order (bit-exact with the host module). Called with a
+    gradient to record, eager autograd records its own graph of these ops: the gradients are eager's."""
+    return host_forward(x, weight, eps, offset)
+
+
+def _sum_to(t: Tensor, dims) -> Tensor:
+    return t.sum(dims, keepdim=True) if dims else t
+
+
+def cpu_backward(grad: Tensor, x: Tensor, weight: Tensor, eps: float, offset: float) -> Tuple[Tensor, Tensor]:
+    """(dx, dw) as eager autograd computes them for host_forward: each backward formula of PyTorch's
+    tools/autograd/derivatives.yaml (mul, rsqrt, mean, pow, the casts) and the engine's reduction of broadcast
+    gradients (at::sum_to), in the order the engine runs them. For the ops' backward on CPU tensors."""
+    xf = x.float()
+    wf = weight.float()
+    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    xn = xf * r
+    s = offset + wf
+    gz = grad.float()  # y = z.type_as(x): _to_copy's backward
+    lead = list(range(x.dim() - 1))
+    dw = _sum_to(gz * xn, lead).view(weight.shape)  # z = xn * s, other's gradient, summed to s's shape
+    g_xn = gz * s  # ... and self's
+    b = g_xn * r  # xn = xf * r: self's gradient
+    g_r = _sum_to(g_xn * xf, [x.dim() - 1])  # other's, summed to r's [..., 1]
+    g_m = -0.5 * g_r * r.pow(3)  # rsqrt: -0.5 * grad * result.pow(3); the + eps passes it on
+    g_p = g_m.expand(xf.shape) / x.shape[-1]  # mean: grad.expand(sizes) / n
+    c = g_p * (2.0 * xf.pow(1.0))  # pow(2): grad * (exponent * self.pow(exponent - 1))
+    return (b + c).to(x.dtype), dw.to(weight.dtype)
+
+
+def _use_triton(x: Tensor) -> bool:
+    if x.is_cuda:
+        return True
+    if x.device.type != "cpu":
+        raise NotImplementedError(f"geglu.rms_norm: tensors on {x.device.type!r} are not supported; expected CUDA "
+                                  "or CPU tensors.")
+    if _backend.get_backend() != "triton":
+        return False
+    if not _triton().INTERPRET:
+        raise RuntimeError("geglu.rms_norm: the 'triton' backend got CPU tensors; Triton runs them only under its "
+                           "interpreter (TRITON_INTERPRET=1 set before importing triton). Use set_backend('auto') "
+                           "for the CPU implementation.")
+    return True
+
+
+def _forward(x: Tensor, weight: Tensor, eps: float, offset: float) -> Tensor:
+    """y for validated inputs, recording no gradient."""
+    if _use_triton(x):
+        t = _tri
+        return t.forward(x, weight, t.f32(eps), t.f32(offset))[0]
+    return cpu_forward(x, weight, eps, offset)
+
+
+def _backward(grad: Tensor, x: Tensor, weight: Tensor, eps: float, offset: float) -> Tuple[Tensor, Tensor]:
+    if _use_triton(x):
+        t = _tri
+        return t.backward(grad, x, weight, None, t.f32(eps), t.f32(offset))
+    return cpu_backward(grad, x, weight, eps, offset)
+
+
+def _like(result: Tensor, ref: Tensor) -> Tensor:
+    """``result`` laid out as ``torch.empty_like(ref)`` (the fake implementations' layout)."""
+    out = torch.empty_like(ref)
+    if out.stride() == result.stride():
+        return result
+    out.copy_(result)
+    return out
+
+
+# --- torch.library ops ---------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op(add_op_namespace_prefix("rms_norm"), mutates_args=())
+def rms_norm_op(x: Tensor, weight: Tensor, eps: float, offset: float) -> Tensor:
+    check_rms_norm(x, weight)
+    return _like(_forward(x, weight, eps, offset), x)
+
+
+@rms_norm_op.register_fake
+def _(x, weight, eps, offset):
+    check_rms_norm(x, weight)
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op(add_op_namespace_prefix("rms_norm_backward"), mutates_args=())
+def rms_norm_backward(grad: Tensor, x: Tensor, weight: Tensor, eps: float, offset: float) -> Tuple[Tensor, Tensor]:
+    """(dx, dw) of ``rms_norm`` (the rstd recomputed from x)."""
+    check_rms_norm(x, weight)
+    _check_grad(grad, x)
+    dx, dw = _backward(grad, x, weight, eps, offset)
+    return _like(dx, x), _like(dw, weight)
+
+
+@rms_norm_backward.register_fake
+def _(grad, x, weight, eps, offset):
+    check_rms_norm(x, weight)
+    _check_grad(grad, x)
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
+def _setup(ctx, inputs, output):
+    x, weight, eps, offset = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.eps, ctx.offset = eps, offset
+
+
+def _op_backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    dx, dw = rms_norm_backward(grad, x, weight, ctx.eps, ctx.offset)
+    return dx, dw, None, None
+
+
+rms_norm_op.register_autograd(_op_backward, setup_context=_setup)
+
+
+# --- eager autograd --------------------------------------------------------------------------------------------
+# The op's autograd for the Triton kernels, as a plain autograd.Function calling them directly (the custom op's
+# Python autograd layer costs ~100 µs of host time per forward + backward). The forward's rstd ([rows] fp32) is
+# saved instead of recomputed. CPU tensors need no node of ours: eager autograd records the CPU implementation's
+# own ops.
+
+
+class EagerRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, offset):
+        y, rstd = _tri.forward(x, weight, _tri.f32(eps), _tri.f32(offset), True)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.eps, ctx.offset = eps, offset
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dx, dw = _tri.backward(grad, x, weight, rstd, _tri.f32(ctx.eps), _tri.f32(ctx.offset), need_dw)
+        return (dx if need_dx else None), dw, None, None
+
+
+# Function.apply's Python wrapper (argument binding, functorch checks) is skipped: used only outside functorch
+# transforms, with positional arguments.
+_eager_apply = super(torch.autograd.Function, EagerRMSNorm).apply
+
+
+# --- public --------------------------------------------------------------------------------------------------
+
+
+def _plain_eager(x, weight) -> bool:
+    """A plain eager call: plain tensors (a Parameter is one), no graph capture, tracing or functorch transform."""
+    return (type(x) is Tensor and (type(weight) is Tensor or type(weight) is Parameter) and not _is_compiling()
+            and not _is_tracing() and not _functorch_active())
+
+
+def _run(x: Tensor, weight: Tensor, eps: float, offset: float) -> Tensor:
+    if not _use_triton(x):
+        return cpu_forward(x, weight, eps, offset)
+    if _grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _eager_apply(x, weight, eps, offset)
+    t = _tri
+    return t.forward(x, weight, t.f32(eps), t.f32(offset))[0]
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, offset: float = 1.0) -> Tensor:
+    """Gemma's RMSNorm of x's last dimension: ``(x * rsqrt(mean(x^2) + eps) * (offset + weight)).type_as(x)``,
+    computed in fp32 as transformers' ``GemmaRMSNorm`` (``offset=1.0``, the default; ``0.0`` scales by ``weight``).
+
+    Shapes: x ``[..., D]`` (any leading shape, any layout; float32/float16/bfloat16), weight ``[D]``
+    (float32/float16/bfloat16, e.g. the model's dtype); returns x's shape and dtype (laid out like
+    ``torch.empty_like(x)``). Differentiable in x and weight (dw summed over rows in fp32, then cast to weight's
+    dtype; deterministic).
+    """
+    eps, offset = _as_float(eps, "eps"), _as_float(offset, "offset")
+    if _plain_eager(x, weight):
+        check_rms_norm(x, weight)
+        return _run(x, weight, eps, offset)
+    check_rms_norm(x, weight)
+    return rms_norm_op(x, weight, eps, offset)
+
+
+def layer_forward(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``GemmaRMSNorm.forward`` outside torch.compile: the kernels for a plain eager call on supported tensors, the
+    host's own math for anything else (tensor subclasses such as DTensor, functorch, other dtypes or devices)."""
+    if _plain_eager(x, weight) and (x.is_cuda or x.is_cpu) and _ok(x, weight):
+        return _run(x, weight, eps if type(eps) is float else _as_float(eps, "eps"), 1.0)
+    return host_forward(x, weight, eps)
+
+
+__all__ = ["rms_norm", "rms_norm_op", "rms_norm_backward", "host_forward", "layer_forward", "check_rms_norm"]

@@ -1,0 +1,347 @@
+"""Triton kernels for Gemma's RMSNorm (``_rmsnorm``): forward, backward and the weight-gradient reduction.
+
+Math per row of ``D`` elements (fp32 throughout, as eager's; each product and sum rounded separately: kernels
+launch with FMA contraction off)::
+
+    r  = rsqrt(sum(x * x) * fl(1/D) + eps)             # eager's CUDA mean multiplies the sum by fl(1/D)
+    y  = T((x * r) * (offset + w))                     # offset + w rounded to fp32 first, as eager's 1.0 + w.float()
+    dxn = dy * (offset + w);  c = sum(dxn * xn) * fl(1/D)  with xn = x * r
+    dx = T((dxn - xn * c) * r);  dw = W(sum over rows of dy * xn)
+
+Only the order of the row sums differs from eager's, so results agree with eager's up to how the sum's rounding
+moves ``r`` (docs/rmsnorm.md states and tests the bound).
+
+Layout: rows are ``D`` unit-stride elements with an arbitrary row stride; offsets are 64-bit. Rows up to
+``MAX_FUSED_D`` wide are held in registers (read once, written once; several narrow rows per program); wider rows
+loop over ``CHUNK``-wide slices. The backward's programs each own a fixed set of rows and write one fp32 partial
+of dw; a second kernel sums the partials in a fixed order, so dw is deterministic.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ._triton import INTERPRET, _device_guard, _launch, _next_pow2, _round, _sm_count
+
+MAX_FUSED_D = 16384  # widest row kept in registers (power of two)
+CHUNK = 4096  # slice width of the looped kernels (rows wider than MAX_FUSED_D)
+
+
+@triton.jit
+def _fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, M, stride_x, stride_y,
+                D: tl.constexpr, EPS: tl.constexpr, INV_D: tl.constexpr, OFFSET: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, SAVE_RSTD: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_M).to(tl.int64) + tl.cast(pid, tl.int64) * BLOCK_M
+    cols = tl.arange(0, BLOCK_D)
+    rmask = rows < M
+    cmask = cols < D
+    mask = rmask[:, None] & cmask[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    r = tl.math.rsqrt(tl.sum(x * x, axis=1) * INV_D + EPS)
+    s = OFFSET + tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    y = (x * r[:, None]) * s[None, :]
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], _round(y, y_ptr.dtype.element_ty), mask=mask)
+    if SAVE_RSTD:
+        tl.store(rstd_ptr + rows, r, mask=rmask)
+
+
+@triton.jit
+def _fwd_looped_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, stride_x, stride_y,
+                       D: tl.constexpr, EPS: tl.constexpr, INV_D: tl.constexpr, OFFSET: tl.constexpr,
+                       CHUNK: tl.constexpr, SAVE_RSTD: tl.constexpr):
+    row = tl.cast(tl.program_id(0), tl.int64)
+    x_row = x_ptr + row * stride_x
+    y_row = y_ptr + row * stride_y
+    acc = tl.zeros([CHUNK], dtype=tl.float32)
+    for k in range(0, D, CHUNK):
+        cols = k + tl.arange(0, CHUNK)
+        x = tl.load(x_row + cols, mask=cols < D, other=0.0).to(tl.float32)
+        acc += x * x
+    r = tl.math.rsqrt(tl.sum(acc, axis=0) * INV_D + EPS)
+    for k in range(0, D, CHUNK):
+        cols = k + tl.arange(0, CHUNK)
+        cmask = cols < D
+        x = tl.load(x_row + cols, mask=cmask, other=0.0).to(tl.float32)
+        s = OFFSET + tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+        tl.store(y_row + cols, _round((x * r) * s, y_ptr.dtype.element_ty), mask=cmask)
+    if SAVE_RSTD:
+        tl.store(rstd_ptr + row, r)
+
+
+@triton.jit
+def _bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dwp_ptr, M, stride_dy, stride_x, stride_dx,
+                D: tl.constexpr, EPS: tl.constexpr, INV_D: tl.constexpr, OFFSET: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HAS_RSTD: tl.constexpr, HAS_DW: tl.constexpr):
+    """Program ``pid`` handles the row blocks pid, pid + G, ... (G programs) and writes its dw partial to row
+    ``pid`` of dwp [G, D] (fp32)."""
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_D)
+    cmask = cols < D
+    s = OFFSET + tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start in range(pid * BLOCK_M, M, G * BLOCK_M):
+        rows = tl.arange(0, BLOCK_M).to(tl.int64) + start
+        rmask = rows < M
+        mask = rmask[:, None] & cmask[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_RSTD:
+            r = tl.load(rstd_ptr + rows, mask=rmask, other=0.0)
+        else:
+            r = tl.math.rsqrt(tl.sum(x * x, axis=1) * INV_D + EPS)
+        xn = tl.where(mask, x * r[:, None], 0.0)
+        dxn = dy * s[None, :]
+        c = tl.sum(dxn * xn, axis=1) * INV_D
+        dx = (dxn - xn * c[:, None]) * r[:, None]
+        tl.store(dx_ptr + rows[:, None] * stride_dx + cols[None, :], _round(dx, dx_ptr.dtype.element_ty), mask=mask)
+        if HAS_DW:
+            acc += dy * xn
+    if HAS_DW:
+        tl.store(dwp_ptr + tl.cast(pid, tl.int64) * D + cols, tl.sum(acc, axis=0), mask=cmask)
+
+
+@triton.jit
+def _bwd_looped_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dwp_ptr, M, stride_dy, stride_x, stride_dx,
+                       D: tl.constexpr, EPS: tl.constexpr, INV_D: tl.constexpr, OFFSET: tl.constexpr,
+                       CHUNK: tl.constexpr, HAS_RSTD: tl.constexpr, HAS_DW: tl.constexpr):
+    """Rows wider than MAX_FUSED_D: one row at a time, in slices; the program's dw partial row (zero-initialised
+    by the caller) is read, added to and written per row, by this program only."""
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    dwp_row = dwp_ptr + tl.cast(pid, tl.int64) * D
+    for row in range(pid, M, G):
+        row64 = tl.cast(row, tl.int64)
+        x_row = x_ptr + row64 * stride_x
+        dy_row = dy_ptr + row64 * stride_dy
+        dx_row = dx_ptr + row64 * stride_dx
+        if HAS_RSTD:
+            r = tl.load(rstd_ptr + row64)
+        else:
+            ss = tl.zeros([CHUNK], dtype=tl.float32)
+            for k in range(0, D, CHUNK):
+                cols = k + tl.arange(0, CHUNK)
+                x = tl.load(x_row + cols, mask=cols < D, other=0.0).to(tl.float32)
+                ss += x * x
+            r = tl.math.rsqrt(tl.sum(ss, axis=0) * INV_D + EPS)
+        cacc = tl.zeros([CHUNK], dtype=tl.float32)
+        for k in range(0, D, CHUNK):
+            cols = k + tl.arange(0, CHUNK)
+            cmask = cols < D
+            x = tl.load(x_row + cols, mask=cmask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_row + cols, mask=cmask, other=0.0).to(tl.float32)
+            s = OFFSET + tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+            cacc += (dy * s) * (x * r)
+        c = tl.sum(cacc, axis=0) * INV_D
+        for k in range(0, D, CHUNK):
+            cols = k + tl.arange(0, CHUNK)
+            cmask = cols < D
+            x = tl.load(x_row + cols, mask=cmask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_row + cols, mask=cmask, other=0.0).to(tl.float32)
+            s = OFFSET + tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+            xn = x * r
+            dxn = dy * s
+            tl.store(dx_row + cols, _round((dxn - xn * c) * r, dx_ptr.dtype.element_ty), mask=cmask)
+            if HAS_DW:
+                p = tl.load(dwp_row + cols, mask=cmask, other=0.0)
+                tl.store(dwp_row + cols, p + dy * xn, mask=cmask)
+
+
+@triton.jit
+def _dw_kernel(dwp_ptr, dw_ptr, G, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr):
+    """dw[cols] = W(sum over the G partial rows), in a fixed order."""
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < D
+    acc = tl.zeros([BLOCK_G, BLOCK_C], dtype=tl.float32)
+    for g0 in range(0, G, BLOCK_G):
+        g = tl.arange(0, BLOCK_G).to(tl.int64) + g0
+        acc += tl.load(dwp_ptr + g[:, None] * D + cols[None, :], mask=(g < G)[:, None] & cmask[None, :], other=0.0)
+    tl.store(dw_ptr + cols, _round(tl.sum(acc, axis=0), dw_ptr.dtype.element_ty), mask=cmask)
+
+
+# --- plans -----------------------------------------------------------------------------------------------------
+
+_PLANS = {}
+_F32 = {}
+
+
+def f32(v: float) -> float:
+    """``v`` rounded to fp32 (the value eager's kernels compute with), cached."""
+    r = _F32.get(v)
+    if r is None:
+        r = torch.tensor(v, dtype=torch.float32).item()
+        if len(_F32) < 4096:
+            _F32[v] = r
+    return r
+
+
+def inv_d(D: int) -> float:
+    """fl(1/D) in fp32: eager's CUDA mean multiplies the fp32 sum by this factor."""
+    key = ("inv", D)
+    r = _F32.get(key)
+    if r is None:
+        r = (torch.ones((), dtype=torch.float32) / D).item()
+        _F32[key] = r
+    return r
+
+
+def fwd_plan(M: int, D: int, device: torch.device, tiles=None):
+    """(grid, block_m, block_d, num_warps, looped) for the forward. ``tiles``: (block_m, num_warps) to use instead
+    of the defaults (benchmarks sweep it). Defaults: about 4096 elements per program (several rows when they are
+    narrow, but a grid that still covers the SMs four times) and 16 elements per thread."""
+    key = ("fwd", M, D, device, tiles)
+    plan = _PLANS.get(key)
+    if plan is None:
+        block_d = _next_pow2(D)
+        if block_d > MAX_FUSED_D:
+            plan = ((M,), 1, CHUNK, 8, True)
+        else:
+            if tiles is not None:
+                block_m, num_warps = tiles
+            else:
+                block_m = max(1, 4096 // block_d)
+                while block_m > 1 and triton.cdiv(M, block_m) < 4 * _sm_count(device):
+                    block_m //= 2
+                num_warps = max(1, min(16, block_m * block_d // 512))
+            plan = ((triton.cdiv(M, block_m),), block_m, block_d, num_warps, False)
+        if len(_PLANS) < 4096:
+            _PLANS[key] = plan
+    return plan
+
+
+def bwd_plan(M: int, D: int, device: torch.device, tiles=None):
+    """(grid, block_m, block_d, num_warps, looped) for the backward: 8 elements per thread and array (up to 32
+    warps; 16 elements at the widest rows), about one resident wave of programs (each loops over its rows; fewer
+    programs means fewer dw partials to sum). ``tiles``: (block_m, num_warps, programs) to use instead."""
+    key = ("bwd", M, D, device, tiles)
+    plan = _PLANS.get(key)
+    if plan is None:
+        block_d = _next_pow2(D)
+        sms = _sm_count(device)
+        if block_d > MAX_FUSED_D:
+            plan = ((max(1, min(M, 2 * sms)),), 1, CHUNK, 8, True)
+        else:
+            if tiles is not None:
+                block_m, num_warps, programs = tiles
+            else:
+                block_m = max(1, 2048 // block_d)
+                while block_m > 1 and triton.cdiv(M, block_m) < 4 * sms:
+                    block_m //= 2
+                num_warps = max(1, min(32, block_m * block_d // 256))
+                programs = sms * max(1, 64 // num_warps)
+            plan = ((max(1, min(triton.cdiv(M, block_m), programs)),), block_m, block_d, num_warps, False)
+        if len(_PLANS) < 4096:
+            _PLANS[key] = plan
+    return plan
+
+
+# --- launching ---------------------------------------------------------------------------------------------------
+
+
+def _rows_view(t: torch.Tensor, D: int) -> torch.Tensor:
+    """``t`` as [M, D] rows in logical order with a unit-stride last dim: a view when the leading dims collapse
+    to one row stride, else a contiguous copy."""
+    try:
+        v = t.view(-1, D)
+    except RuntimeError:
+        return t.reshape(-1, D).contiguous()
+    if D > 1 and v.stride(1) != 1:
+        return v.contiguous()
+    return v
+
+
+def _row_stride(t: torch.Tensor, M: int, D: int) -> int:
+    return t.stride(0) if M > 1 else D
+
+
+def _memory_rows(t: torch.Tensor, like: torch.Tensor, D: int) -> bool:
+    """``t`` and ``like`` have the same strides and, read in memory order, are rows of D unit-stride elements: the
+    kernels can take them as [numel / D, D] row-major blocks without a view (``like`` is ``empty_like(t)``, whose
+    strides are ``t``'s exactly when ``t`` is non-overlapping and dense)."""
+    return t.stride() == like.stride() and (D == 1 or t.stride(-1) == 1)
+
+
+def launch_fwd(y2, x2, w, rstd, M: int, D: int, eps: float, offset: float, sx: int, sy: int, tiles=None) -> None:
+    """y2 rows = norm(x2 rows): 2-D (or memory-order) row blocks with row strides sx, sy; rstd [M] fp32 or None."""
+    grid, block_m, block_d, num_warps, looped = fwd_plan(M, D, x2.device, tiles)
+    save = rstd is not None
+    rstd_arg = rstd if save else y2
+    with _device_guard(x2):
+        if looped:
+            _launch(_fwd_looped_kernel, grid, (x2, w, y2, rstd_arg, sx, sy),
+                    (D, eps, inv_d(D), offset, block_d, save), num_warps, x2.device)
+        else:
+            _launch(_fwd_kernel, grid, (x2, w, y2, rstd_arg, M, sx, sy),
+                    (D, eps, inv_d(D), offset, block_m, block_d, save), num_warps, x2.device)
+
+
+def forward(x: torch.Tensor, w: torch.Tensor, eps: float, offset: float, save_rstd: bool = False, tiles=None):
+    """(y, rstd or None): y = empty_like(x) filled with the norm of x's rows (x, w validated by the caller; eps and
+    offset already fp32 values). rstd is [M] fp32 in the row order the kernel used (see ``backward``)."""
+    D = x.shape[-1]
+    y = torch.empty_like(x)
+    M = x.numel() // D if D else 0
+    rstd = torch.empty(M, dtype=torch.float32, device=x.device) if save_rstd else None
+    if M == 0:
+        return y, rstd
+    if not w.is_contiguous():
+        w = w.contiguous()
+    if _memory_rows(x, y, D):
+        launch_fwd(y, x, w, rstd, M, D, eps, offset, D, D, tiles)
+        return y, rstd
+    x2 = _rows_view(x, D)
+    if y.is_contiguous():
+        launch_fwd(y, x2, w, rstd, M, D, eps, offset, _row_stride(x2, M, D), D, tiles)
+    else:  # a dense x whose last dim is strided: compute rows, then lay them out as empty_like(x)
+        tmp = torch.empty((M, D), dtype=x.dtype, device=x.device)
+        launch_fwd(tmp, x2, w, rstd, M, D, eps, offset, _row_stride(x2, M, D), D, tiles)
+        y.copy_(tmp.view(x.shape))
+    return y, rstd
+
+
+def backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd, eps: float, offset: float,
+             need_dw: bool = True, tiles=None):
+    """(dx, dw): dx = empty_like(x), dw like w (None unless need_dw). ``rstd``: the forward's, or None to
+    recompute it; it is used only when this call enumerates the rows as the forward did."""
+    D = x.shape[-1]
+    M = x.numel() // D if D else 0
+    dx = torch.empty_like(x)
+    if M == 0:
+        return dx, (torch.zeros_like(w) if need_dw else None)
+    if not w.is_contiguous():
+        w = w.contiguous()
+    x_memory = _memory_rows(x, dx, D)
+    if x_memory and dy.stride() == x.stride():
+        x2, dy2, dx2, tmp = x, dy, dx, None
+        sx = sdy = sdx = D
+    else:
+        if x_memory and not x.is_contiguous():
+            rstd = None  # the forward enumerated x in memory order; these rows are in logical order
+        x2, dy2 = _rows_view(x, D), _rows_view(dy, D)
+        tmp = None if dx.is_contiguous() else torch.empty((M, D), dtype=x.dtype, device=x.device)
+        dx2 = dx if tmp is None else tmp
+        sx, sdy, sdx = _row_stride(x2, M, D), _row_stride(dy2, M, D), D
+    grid, block_m, block_d, num_warps, looped = bwd_plan(M, D, x.device, tiles)
+    G = grid[0]
+    dwp = None
+    if need_dw:
+        dwp = (torch.zeros if looped else torch.empty)((G, D), dtype=torch.float32, device=x.device)
+    has_rstd = rstd is not None
+    consts = (D, eps, inv_d(D), offset, block_d, has_rstd, need_dw)
+    with _device_guard(x):
+        args = (dy2, x2, w, rstd if has_rstd else x2, dx2, dwp if need_dw else x2, M, sdy, sx, sdx)
+        if looped:
+            _launch(_bwd_looped_kernel, grid, args, consts, num_warps, x.device)
+        else:
+            _launch(_bwd_kernel, grid, args, consts[:4] + (block_m,) + consts[4:], num_warps, x.device)
+        dw = None
+        if need_dw:
+            dw = torch.empty(D, dtype=w.dtype, device=w.device)
+            _launch(_dw_kernel, (triton.cdiv(D, 128),), (dwp, dw, G), (D, 32, 128), 4, x.device)
+    if tmp is not None:
+        dx.copy_(tmp.view(x.shape))
+    return dx, dw
+
+
+__all__ = ["forward", "backward", "f32", "inv_d", "fwd_plan", "bwd_plan", "INTERPRET", "MAX_FUSED_D"]
