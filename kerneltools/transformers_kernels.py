@@ -227,13 +227,29 @@ NORM_CLASSES: tuple[HostClass, ...] = (
 )
 
 
+# the hub layers' class names: a forward that kernelize put there (any mode) is ours to replace again
+_OUR_LAYERS = frozenset({h.layer for h in GEGLU_CLASSES + NORM_CLASSES if h.layer}
+                        | {h.gate_layer for h in GEGLU_CLASSES if h.gate_layer})
+
+
+def _forward_taken(module) -> bool:
+    """Whether something other than kernelize replaced this module's forward (transformers' tensor parallelism and
+    accelerate wrap ``module.forward`` to move activations or reduce gradients): kernelize must not overwrite it."""
+    fwd = module.__dict__.get("forward")
+    if fwd is None:
+        return False
+    qualname = getattr(getattr(fwd, "__func__", None), "__qualname__", "")
+    return qualname.rpartition(".")[0] not in _OUR_LAYERS
+
+
 def _norm_condition(module) -> bool:
-    """A norm the layer computes: a 1-D weight, a float eps and no grouping (Qwen4ExpTextRMSNorm's group_size)."""
+    """A norm the layer computes: a 1-D weight, a float eps and no grouping (Qwen4ExpTextRMSNorm's group_size), whose
+    forward nobody else has replaced."""
     import torch
 
     weight = getattr(module, "weight", None)
     return (isinstance(weight, torch.Tensor) and weight.dim() == 1 and isinstance(getattr(module, "eps", None), float)
-            and getattr(module, "group_size", None) is None)
+            and getattr(module, "group_size", None) is None and not _forward_taken(module))
 
 
 def is_kernel_gelu(act: Any) -> bool:
@@ -249,7 +265,7 @@ def is_kernel_gelu(act: Any) -> bool:
 
 def _gelu_condition(act_attr: str):
     def condition(module) -> bool:
-        return is_kernel_gelu(getattr(module, act_attr, None))
+        return is_kernel_gelu(getattr(module, act_attr, None)) and not _forward_taken(module)
 
     condition.__qualname__ = f"geglu_condition[{act_attr}]"
     return condition

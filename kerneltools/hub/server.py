@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
-from . import auth
+import kerneltools.hub.auth as auth
 from .errors import HubError, entry_not_found, forbidden, unauthorized
 from .http import HubHandlerBase, LimitedThreadingHTTPServer, loads_json, write_request_problem
 from .names import DEFAULT_BRANCH, REPO_TYPES, validate_name_part, validate_namespace, validate_path, \
