@@ -137,8 +137,9 @@ def cpu_backward(grad: Tensor, x: Tensor, weight: Tensor, eps: float, offset: fl
 
 
 def _use_triton(x: Tensor) -> bool:
+    """Whether the Triton kernels take x (loading them, so that ``_tri`` is set, on first use)."""
     if x.is_cuda:
-        return True
+        return _tri is not None or _triton() is not None
     if x.device.type != "cpu":
         raise NotImplementedError(f"geglu.rms_norm: tensors on {x.device.type!r} are not supported; expected CUDA "
                                   "or CPU tensors.")

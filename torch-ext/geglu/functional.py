@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import _backend
+from . import _backend, _config
 from . import _custom_ops as _impl
 from . import _direct
+from ._activations import APPROXIMATIONS
 from ._checks import check_packed, check_split
 from ._ops import ops
 
@@ -24,6 +25,7 @@ _contiguous = torch.contiguous_format
 _mode = _backend.call_mode
 _OP, _PLAIN, _AUTOGRAD = _backend.OP, _backend.PLAIN, _backend.AUTOGRAD
 _lean_fwd = _direct.lean_fwd if _direct.AVAILABLE else None
+_EAGER_BELOW = _backend.AUTOGRAD_EAGER_BELOW
 
 
 def _no_autograd_with_out(*tensors: Tensor) -> None:
@@ -45,6 +47,12 @@ def geglu(gate: Tensor, up: Tensor, approximate: str = "none", *, out: Optional[
     up afterwards, e.g. the outputs of gate/up projections).
     """
     if out is None:
+        if (gate.requires_grad and type(gate) is Tensor and gate.is_cuda and up.shape == gate.shape
+                and up.dtype == gate.dtype and gate.numel() < _EAGER_BELOW and _config.current.backend == "auto"
+                and approximate in APPROXIMATIONS and _grad_enabled() and not _backend.traced()):
+            # a host-bound CUDA step with a gradient (see _backend.AUTOGRAD_EAGER_BELOW): eager's own ops, with the
+            # fewest checks in front of them
+            return F.gelu(gate, approximate=approximate) * up
         if _lean_fwd is not None:
             res = _lean_fwd(gate, up, approximate)
             if res is not None:
