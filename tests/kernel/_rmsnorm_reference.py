@@ -136,3 +136,33 @@ def norm_impl(request, geglu):
         yield name, ("cuda" if torch.cuda.is_available() else "cpu")
     finally:
         geglu.set_backend("auto")
+
+
+class Calls:
+    """Counts runs of a loaded kernel's norm implementations (wrapped, still called): proof that ours ran.
+    ``package``: the loaded kernel's module name (``geglu.__name__``)."""
+
+    NAMES = {"_rmsnorm": ("cpu_forward", "cpu_backward"), "_rmsnorm_triton": ("forward", "backward")}
+
+    def __init__(self, package: str, monkeypatch):
+        import importlib
+
+        self.n = {}
+        for mod_name, fns in self.NAMES.items():
+            mod = importlib.import_module(f"{package}.{mod_name}")
+            for fn in fns:
+                monkeypatch.setattr(mod, fn, self._counted(f"{mod_name}.{fn}", getattr(mod, fn)))
+
+    def _counted(self, key, fn):
+        self.n[key] = 0
+
+        def counted(*a, **k):
+            self.n[key] += 1
+            return fn(*a, **k)
+
+        return counted
+
+    def take(self):
+        out = {k: v for k, v in self.n.items() if v}
+        self.n = dict.fromkeys(self.n, 0)
+        return out

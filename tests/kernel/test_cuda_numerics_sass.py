@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from ._sass import _split_operands
+
 REPO = Path(__file__).resolve().parents[2]
 
 EAGER_AND_OURS = r"""
@@ -119,23 +121,6 @@ def _sass_by_function(text: str) -> dict[str, list[str]]:
 
 _REG = re.compile(r"\b(UR\d+|UP\d+|R\d+|P\d+)\b")
 _COMMUTATIVE = {"FMUL", "FADD", "FMNMX"}
-
-
-def _split_operands(text: str) -> list[str]:
-    out, depth, cur = [], 0, ""
-    for ch in text:
-        if ch in "[":
-            depth += 1
-        elif ch in "]":
-            depth -= 1
-        if ch == "," and depth == 0:
-            out.append(cur.strip())
-            cur = ""
-        else:
-            cur += ch
-    if cur.strip():
-        out.append(cur.strip())
-    return out
 
 
 def _const(bits: int):

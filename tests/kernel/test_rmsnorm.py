@@ -25,6 +25,7 @@ import torch
 
 from ._rmsnorm_reference import (DTYPES, E32, EPS, WORSE_EXCESS_ULP32, WORSE_FRACTION, assert_bwd_bound, assert_fwd_bound,
                                  host, host_grads, no_worse_than_eager, ref64)
+from ._rmsnorm_reference import Calls as _Calls
 from ._rmsnorm_reference import data as _data
 from ._rmsnorm_reference import seed_of as _seed
 from ._rmsnorm_reference import norm_impl  # noqa: F401  (the fixture)
@@ -328,33 +329,6 @@ class Block(torch.nn.Module):
         return x + self.post(q)
 
 
-class Calls:
-    """Counts runs of the loaded kernel's implementations (wrapped, still called): proof that the layer ran ours."""
-
-    NAMES = {"_rmsnorm": ("cpu_forward", "cpu_backward"), "_rmsnorm_triton": ("forward", "backward")}
-
-    def __init__(self, geglu, monkeypatch):
-        self.n = {}
-        for mod_name, fns in self.NAMES.items():
-            mod = _mod(geglu, mod_name)
-            for fn in fns:
-                monkeypatch.setattr(mod, fn, self._counted(f"{mod_name}.{fn}", getattr(mod, fn)))
-
-    def _counted(self, key, fn):
-        self.n[key] = 0
-
-        def counted(*a, **k):
-            self.n[key] += 1
-            return fn(*a, **k)
-
-        return counted
-
-    def take(self):
-        out = {k: v for k, v in self.n.items() if v}
-        self.n = dict.fromkeys(self.n, 0)
-        return out
-
-
 def _models(device, dtype, seed):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(Block(64, 16), Block(64, 16)).to(device=device, dtype=dtype)
@@ -374,7 +348,7 @@ def test_layer_rules_and_kernel_runs_in_inference_and_training(norm_impl, geglu,
     name, device = norm_impl
     seed = _seed("layer", name)
     model, ref = _models(device, torch.float32, seed)
-    calls = Calls(geglu, monkeypatch)
+    calls = _Calls(geglu.__name__, monkeypatch)
     with use_kernel_mapping(_mapping(build_dir, device)):
         kernelize(model, mode=Mode.TRAINING, device=device)  # kernels validates the layer rules on load
     norms = [m for m in model.modules() if isinstance(m, HostNorm)]
@@ -411,7 +385,7 @@ def test_layer_under_compile_runs_the_hosts_math(norm_impl, geglu, build_dir, mo
     model, ref = _models(device, torch.float32, _seed("layer-compile"))
     with use_kernel_mapping(_mapping(build_dir, device)):
         kernelize(model, mode=Mode.INFERENCE | Mode.TORCH_COMPILE, device=device)
-    calls = Calls(geglu, monkeypatch)
+    calls = _Calls(geglu.__name__, monkeypatch)
     torch._dynamo.reset()
     graphs = []
 
@@ -435,7 +409,7 @@ def test_layer_keeps_the_hosts_math_for_other_dtypes(norm_impl, geglu, build_dir
     with use_kernel_mapping(_mapping(build_dir, device)):
         kernelize(norm, mode=Mode.INFERENCE, device=device)
     assert norm.forward.__func__.__qualname__ == "GemmaRMSNorm.forward"
-    calls = Calls(geglu, monkeypatch)
+    calls = _Calls(geglu.__name__, monkeypatch)
     x = torch.randn(3, 32, dtype=torch.float64, device=device)
     assert torch.equal(norm(x), ref(x)) and calls.take() == {}
 

@@ -27,7 +27,7 @@ from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping  #
 
 from kerneltools.transformers_kernels import (  # noqa: E402
     KEY_PREFIX, NORM_CLASSES, NOT_SUPPORTED, register_geglu_kernels)
-from tests.kernel._rmsnorm_reference import assert_bwd_bound, assert_fwd_bound, data, seed_of  # noqa: E402
+from tests.kernel._rmsnorm_reference import Calls, assert_bwd_bound, assert_fwd_bound, data, seed_of  # noqa: E402
 from tests.kernel._rmsnorm_reference import norm_impl  # noqa: E402, F401  (the fixture)
 
 RTOL = 1e-5  # observed worst case under the interpreter: logits 3.7e-7, loss 9.8e-8, gradients 1.6e-6
@@ -103,33 +103,6 @@ def _mapping(build_dir, device):
             for layer in ("GemmaRMSNorm", "GeGLUMLP")}
 
 
-class Calls:
-    """Counts the runs of the kernel's norm implementations (wrapped, still called), found from the layer that
-    kernelize put on a module."""
-
-    def __init__(self, module, monkeypatch):
-        package = module.forward.__func__.__module__.rsplit(".", 1)[0]
-        self.n = {}
-        for mod_name, fn in (("_rmsnorm", "cpu_forward"), ("_rmsnorm_triton", "forward"),
-                             ("_rmsnorm_triton", "backward")):
-            mod = importlib.import_module(f"{package}.{mod_name}")
-            monkeypatch.setattr(mod, fn, self._counted(f"{mod_name}.{fn}", getattr(mod, fn)))
-
-    def _counted(self, key, fn):
-        self.n[key] = 0
-
-        def counted(*a, **k):
-            self.n[key] += 1
-            return fn(*a, **k)
-
-        return counted
-
-    def take(self):
-        out = {k: v for k, v in self.n.items() if v}
-        self.n = dict.fromkeys(self.n, 0)
-        return out
-
-
 def _expected(name: str, count: int, backward: bool) -> dict:
     if name == "cpu":  # eager autograd records the CPU implementation's ops: no backward of ours
         return {"_rmsnorm.cpu_forward": count}
@@ -153,7 +126,7 @@ def test_every_supported_class_as_a_module(norm_impl, build_dir, monkeypatch, ro
     with use_kernel_mapping(_mapping(build_dir, device), inherit_mapping=False):
         kernelize(mod, mode=Mode.TRAINING, device=device)
     assert mod.forward.__func__.__qualname__ == "GemmaRMSNorm.forward"
-    calls = Calls(mod, monkeypatch)
+    calls = Calls(mod.forward.__func__.__module__.rsplit(".", 1)[0], monkeypatch)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
     y, y_ref = mod(xa), ref(xb)
     y.backward(dy)
@@ -212,7 +185,7 @@ def test_tiny_model_inference_and_training(norm_impl, build_dir, monkeypatch, fa
         kernelize(model, mode=Mode.INFERENCE, device=device)
     norms = [m for m in model.modules() if type(m).__name__ == norm_name]
     assert len(norms) == count and all(m.forward.__func__.__qualname__ == "GemmaRMSNorm.forward" for m in norms)
-    calls = Calls(norms[0], monkeypatch)
+    calls = Calls(norms[0].forward.__func__.__module__.rsplit(".", 1)[0], monkeypatch)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, 128, (2, 8), generator=g).to(device)
     labels = torch.randint(3, 128, (2, 8), generator=g).to(device)
