@@ -3,6 +3,8 @@
 
 import os
 import random
+import shutil
+import tempfile
 import sys
 import zlib
 from pathlib import Path
@@ -11,6 +13,16 @@ import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
+# Inductor's on-disk cache is keyed without ATEN_CPU_CAPABILITY: a kernel cached by a run under one ISA setting gave
+# garbage when a run under another loaded it (test_compile_inductor). Each test run compiles into its own cache.
+_OWN_INDUCTOR_CACHE = None
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    _OWN_INDUCTOR_CACHE = os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="geglu-inductor-")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _OWN_INDUCTOR_CACHE:
+        shutil.rmtree(_OWN_INDUCTOR_CACHE, ignore_errors=True)
 if not HAS_CUDA:
     # Must be set before triton is first imported (it picks its interpreter at decoration time).
     os.environ.setdefault("TRITON_INTERPRET", "1")
