@@ -481,7 +481,7 @@ class HubProcess:
         env["PYTHONPATH"] = pkg_parent + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         env.pop(CRASH_ENV, None)
         env.update(self.env)
-        with open(self.log_path, "ab") as log:  # its own session: stop() can end whatever it left behind
+        with open(self.log_path, "ab") as log:  # its own process group: stop() can end whatever it left behind
             self._proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL, env=env,
                                           start_new_session=True)
         deadline = time.monotonic() + 30
@@ -497,7 +497,7 @@ class HubProcess:
         return self
 
     def stop(self) -> None:
-        """Stop gracefully (SIGTERM; SIGKILL after 10 s), then end anything left in its session."""
+        """Stop gracefully (SIGTERM; SIGKILL after 10 s), then end anything left in its process group."""
         if self.mode == "thread":
             if self._server is not None:
                 self._server.shutdown()

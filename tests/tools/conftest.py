@@ -1,5 +1,5 @@
 """Fixtures for the tooling tests: a loopback Hub server per test (subprocess, port 0, tmp storage, a write token in
-HF_TOKEN), and builds of the real kernel shared by the whole session."""
+HF_TOKEN), and builds of the real kernel shared by the whole test run."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def api(hub):
 
 @pytest.fixture(scope="session")
 def geglu_builds(tmp_path_factory):
-    """The real kernel's noarch variants (torch-cpu, torch-cuda), built once per session (file copies):
+    """The real kernel's noarch variants (torch-cpu, torch-cuda), built once per test run (file copies):
 
     - v1: from this checkout, as `python -m kerneltools build` would;
     - v2: from a committed copy of the sources with build.toml's version = 2;

@@ -95,7 +95,7 @@ def test_writes_need_a_write_token_with_a_write_role(hub, unchanged, write):
 
 
 def test_the_replaced_build_attack_is_refused(hub, unchanged):
-    """Issue S1: another local user commits a replacement build/torch-cpu/__init__.py to the trusted org's v1."""
+    """Another local user commits a replacement build/torch-cpu/__init__.py to the trusted org's v1."""
     api = HfApi(endpoint=hub.url, token=hub.mallory)
     with pytest.raises(HfHubHTTPError, match="may not write to 'geglu-kernels/geglu'") as e:
         api.upload_file(path_or_fileobj=EVIL_INIT, path_in_repo="build/torch-cpu/__init__.py", repo_id=REPO,

@@ -228,7 +228,7 @@ def test_wrong_methods_and_unknown_endpoints(hub, krepo):
                          commit_ndjson(HDR, file_item("x", b"x")), NDJSON), 400, text="Pull requests")
 
 
-# --- what used to be a 500, or accepted and then broke the clients (issue 18) --------------------------------------
+# --- requests that once got a 500, or names accepted that then broke the clients ------------------------------------
 
 NESTED = b"[" * 100_000 + b"]" * 100_000
 

@@ -216,7 +216,8 @@ def test_prefetch_explains_what_is_wrong(hub, tmp_path, monkeypatch):
 
 def test_prefetch_refuses_a_variant_that_does_not_match_its_digest(hub, tmp_path, geglu_builds):
     """The digest in metadata.json (kernels_data.Digest) catches files changed without it: in the cache, or on the
-    Hub by a commit that replaces a file of v1 (issue 18, S1). A lock pinned to the good commit still prefetches."""
+    Hub by a commit that replaces a file of v1 (a write by another local user). A lock pinned to the good commit still
+    prefetches."""
     from huggingface_hub import HfApi
 
     from toolhelpers import cache_repo

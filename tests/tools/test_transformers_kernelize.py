@@ -94,7 +94,7 @@ def _run_workers(env: dict, out_dir: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def reports(build_dir, tmp_path_factory):
-    """Build (session fixture) -> loopback Hub -> publish -> both workers; returns their reports."""
+    """Build (once per test run) -> loopback Hub -> publish -> both workers; returns their reports."""
     from kerneltools.hub import serve_hub
     from kerneltools.publish import publish
 
