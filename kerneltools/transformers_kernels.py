@@ -62,10 +62,24 @@ SUPPORTED = "supported"  # bit-exact with eager for the model's default activati
 SUPPORTED_APPROX = "supported-approx"  # default activation is gelu_new: within a stated tolerance, not bit-exact
 NOT_SUPPORTED = "not-supported"
 
-# transformers activation classes whose function the kernel computes, by class name (the kernel's own
-# layers.gelu_approximation decides erf vs tanh; this copy only decides whether to swap the forward at all).
-_GELU_CLASS_NAMES = frozenset({"GELUActivation", "GELUTanh", "PytorchGELUTanh", "GELUPytorchTanh",
-                               "NewGELUActivation", "FastGELUActivation", "AccurateGELUActivation"})
+
+
+def _kernel_activations():
+    """The kernel package's own list of the GELUs it computes (``torch-ext/geglu/_activations.py``, which imports
+    only torch), loaded from this checkout: kernelize's condition must decide as the kernel's layers do."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "torch-ext" / "geglu" / "_activations.py"
+    if not path.is_file():
+        raise ImportError(f"kerneltools.transformers_kernels needs the kernel's sources beside it ({path} is "
+                          "missing): install kerneltools from a checkout of the repository (pip install -e .).")
+    spec = importlib.util.spec_from_file_location("kerneltools._kernel_activations", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_ACTIVATIONS = _kernel_activations()
 
 
 @dataclass(frozen=True)
@@ -254,13 +268,7 @@ def _norm_condition(module) -> bool:
 
 def is_kernel_gelu(act: Any) -> bool:
     """Whether ``act`` (a host's activation) computes a GELU the kernel computes (erf or tanh form)."""
-    import torch
-
-    if isinstance(act, torch.nn.GELU):
-        return act.approximate in ("none", "tanh")
-    if act is torch.nn.functional.gelu:
-        return True
-    return type(act).__name__ in _GELU_CLASS_NAMES
+    return _ACTIVATIONS.gelu_approximation(act) is not None
 
 
 def _gelu_condition(act_attr: str):
@@ -397,42 +405,28 @@ def register_geglu_kernels(repo_id: str = DEFAULT_REPO_ID, *, version: int | Non
     modes = (Mode.INFERENCE, Mode.TRAINING, Mode.INFERENCE | Mode.TORCH_COMPILE, Mode.TRAINING | Mode.TORCH_COMPILE)
     reg = GeGLURegistration(mapping={})
     repos: dict[str, Any] = {}  # one repository per layer: kernels loads and validates each once
-    for host in GEGLU_CLASSES:
+
+    def map_key(key: str, layer: str) -> None:
+        if layer not in repos:
+            repos[layer] = _repository(repo_id, layer, version=version, revision=revision, lockfile=lockfile,
+                                       trust_remote_code=trust_remote_code)
+        reg.mapping[key] = {device: {mode: repos[layer] for mode in modes} for device in devices}
+
+    hosts = [(h, _gelu_condition(h.act_attr) if h.act_attr else None) for h in GEGLU_CLASSES]
+    hosts += [(h, _norm_condition) for h in NORM_CLASSES] if norms else []
+    for host, condition in hosts:
         if host.layer is None:
             continue
         cls = host.load()
         if cls is None:
             reg.skipped.append(f"{host.module}.{host.name}")
             continue
-        condition = _gelu_condition(host.act_attr) if host.act_attr else None
         replace_kernel_forward_from_hub(cls, host.key, condition)
         reg.classes[f"{host.module}.{host.name}"] = cls
-        if host.layer not in repos:
-            repos[host.layer] = _repository(repo_id, host.layer, version=version, revision=revision,
-                                            lockfile=lockfile, trust_remote_code=trust_remote_code)
-        reg.mapping[host.key] = {device: {mode: repos[host.layer] for mode in modes} for device in devices}
-    for host in GEGLU_CLASSES:  # MoE experts: the gate between their grouped GEMMs, a function layer per module
-        cls = reg.classes.get(f"{host.module}.{host.name}")
-        if host.gate_layer is None or cls is None:
-            continue
-        _attach_experts_gate(cls, host.gate_key)
-        if host.gate_layer not in repos:
-            repos[host.gate_layer] = _repository(repo_id, host.gate_layer, version=version, revision=revision,
-                                                 lockfile=lockfile, trust_remote_code=trust_remote_code)
-        reg.mapping[host.gate_key] = {device: {mode: repos[host.gate_layer] for mode in modes} for device in devices}
-    for host in NORM_CLASSES if norms else ():
-        if host.layer is None:
-            continue
-        cls = host.load()
-        if cls is None:
-            reg.skipped.append(f"{host.module}.{host.name}")
-            continue
-        replace_kernel_forward_from_hub(cls, host.key, _norm_condition)
-        reg.classes[f"{host.module}.{host.name}"] = cls
-        if host.layer not in repos:
-            repos[host.layer] = _repository(repo_id, host.layer, version=version, revision=revision,
-                                            lockfile=lockfile, trust_remote_code=trust_remote_code)
-        reg.mapping[host.key] = {device: {mode: repos[host.layer] for mode in modes} for device in devices}
+        map_key(host.key, host.layer)
+        if host.gate_layer is not None:  # MoE experts: the gate between their grouped GEMMs, a layer per module
+            _attach_experts_gate(cls, host.gate_key)
+            map_key(host.gate_key, host.gate_layer)
     if register:
         register_kernel_mapping(reg.mapping)
         # kernelize warns "No kernel mapping found for layer X" for every module of a hub layer name that has no

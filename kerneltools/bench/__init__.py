@@ -41,12 +41,10 @@ def add_parser(sub) -> None:
 def main(args) -> int:
     import torch
 
-    if args.model:
-        if args.out is None:
-            args.out = Path("benchmarks/results")
-        return _model.main(args)
     if args.out is None:
         args.out = Path("benchmarks/results")
+    if args.model:
+        return _model.main(args)
     if args.mlp_only and args.no_mlp:
         print("error: --mlp-only and --no-mlp leave nothing to run; give one of them.", file=sys.stderr)
         return 2

@@ -542,12 +542,7 @@ class Repo:
     def create_branch(self, name: str, start: str, user: str = SERVER_USER) -> str:
         validate_ref_name(name, "branch")
         sha = self.resolve(start)
-        with self.writer_lock():
-            if self.ref_sha(f"refs/heads/{name}") is not None:
-                raise HubError(409, f"Branch '{name}' already exists in '{self.repo_id}'.")
-            if not self.update_ref(f"refs/heads/{name}", sha, "", user, f"branch: from {start}"):
-                raise HubError(409, f"Cannot create branch '{name}' in '{self.repo_id}': a ref of that name (or a "
-                                    "folder of branches under it) exists.")
+        self._create_ref(f"refs/heads/{name}", sha, name, "Branch", user, f"branch: from {start}")
         return sha
 
     def delete_branch(self, name: str, user: str = SERVER_USER) -> None:
@@ -555,6 +550,15 @@ class Repo:
             raise HubError(403, f"Cannot delete the default branch '{DEFAULT_BRANCH}' of '{self.repo_id}'.")
         validate_ref_name(name, "branch")
         self._delete_ref(f"refs/heads/{name}", name, "Branch", user)
+
+    def _create_ref(self, ref: str, target: str, name: str, kind: str, user: str, message: str) -> None:
+        """Create ``ref`` at ``target`` only if it does not exist (compare-and-swap against no ref)."""
+        with self.writer_lock():
+            if self.ref_target(ref) is not None:
+                raise HubError(409, f"{kind} '{name}' already exists in '{self.repo_id}'.")
+            if not self.update_ref(ref, target, "", user, message):
+                raise HubError(409, f"Cannot create {kind.lower()} '{name}' in '{self.repo_id}': a ref of that name "
+                                    f"(or a folder of {'branches' if kind == 'Branch' else 'tags'} under it) exists.")
 
     def _delete_ref(self, ref: str, name: str, kind: str, user: str) -> None:
         """Delete ``ref`` only if it still points where it did when read (compare-and-swap)."""
@@ -573,12 +577,7 @@ class Repo:
             body = (f"object {sha}\ntype commit\ntag {tag}\ntagger {user} <{user}@localhost> {int(time.time())} "
                     f"+0000\n\n{message.rstrip()}\n")
             target = self.git("mktag", input=body.encode()).decode().strip()
-        with self.writer_lock():
-            if self.ref_target(f"refs/tags/{tag}") is not None:
-                raise HubError(409, f"Tag '{tag}' already exists in '{self.repo_id}'.")
-            if not self.update_ref(f"refs/tags/{tag}", target, "", user, f"tag: {rev}"):
-                raise HubError(409, f"Cannot create tag '{tag}' in '{self.repo_id}': a ref of that name (or a folder "
-                                    "of tags under it) exists.")
+        self._create_ref(f"refs/tags/{tag}", target, tag, "Tag", user, f"tag: {rev}")
         return sha
 
     def delete_tag(self, tag: str, user: str = SERVER_USER) -> None:

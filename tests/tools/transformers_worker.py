@@ -276,11 +276,11 @@ def in_dtype(module):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def build(name, overrides=None, save_dir=None):
+def _instantiate(cfg_name, model_name, kwargs, overrides, save_dir):
+    """(reference, model under test): the same random weights, the second saved and reloaded when ``save_dir``."""
     import torch
     import transformers
 
-    cfg_name, model_name, kwargs, host, layer, kind = FAMILIES[name]
     config = getattr(transformers, cfg_name)(**dict(kwargs, **(overrides or {})))
     model_cls = getattr(transformers, model_name)
     torch.manual_seed(0)
@@ -290,6 +290,11 @@ def build(name, overrides=None, save_dir=None):
     ref.save_pretrained(save_dir)
     assert (Path(save_dir) / "model.safetensors").is_file(), os.listdir(save_dir)
     return ref, model_cls.from_pretrained(save_dir).eval()
+
+
+def build(name, overrides=None, save_dir=None):
+    cfg_name, model_name, kwargs, host, layer, kind = FAMILIES[name]
+    return _instantiate(cfg_name, model_name, kwargs, overrides, save_dir)
 
 
 def inputs_for(kind, vocab=128, train=False):
@@ -455,19 +460,8 @@ def gate_name(experts) -> str:
 
 
 def build_moe(name, overrides=None, save_dir=None):
-    import torch
-    import transformers
-
     cfg_name, model_name, kwargs, host, kind = MOE_FAMILIES[name]
-    config = getattr(transformers, cfg_name)(**dict(kwargs, **(overrides or {})))
-    model_cls = getattr(transformers, model_name)
-    torch.manual_seed(0)
-    ref = model_cls(config).eval()
-    if save_dir is None:
-        return ref, copy.deepcopy(ref)
-    ref.save_pretrained(save_dir)
-    assert (Path(save_dir) / "model.safetensors").is_file(), os.listdir(save_dir)
-    return ref, model_cls.from_pretrained(save_dir).eval()
+    return _instantiate(cfg_name, model_name, kwargs, overrides, save_dir)
 
 
 class ExpertsHits:

@@ -60,9 +60,7 @@ def call_mode(*tensors: Tensor) -> int:
 def set_backend(name: str) -> None:
     """Choose the implementation: 'auto', 'cuda' (the compiled library) or 'triton' (same as
     ``configure(backend=name)``)."""
-    if not isinstance(name, str) or name.strip().lower() not in BACKENDS:
-        raise ValueError(f"geglu.set_backend({name!r}): expected one of {', '.join(BACKENDS)}.")
-    _config.configure(backend=name)
+    _config.configure(backend=_config.parse_backend(name, "geglu.set_backend(name)"))
 
 
 def get_backend() -> str:

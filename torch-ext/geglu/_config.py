@@ -45,8 +45,9 @@ def _switch(name: str, setting: Optional[str], default: bool, on: str, off: str)
                      f"({off}{'' if default else ', the default'}).")
 
 
-def _backend(name: str, what: str) -> str:
-    value = (name or "auto").strip().lower()
+def parse_backend(name: str, what: str) -> str:
+    """``name`` as a backend (case and surrounding spaces ignored), or a ValueError naming ``what`` was given."""
+    value = name.strip().lower() if isinstance(name, str) else None
     if value not in BACKENDS:
         raise ValueError(f"{what}={name!r} is not a backend; expected one of {', '.join(BACKENDS)}.")
     return value
@@ -61,7 +62,7 @@ class Config:
     @classmethod
     def from_env(cls, env=os.environ) -> "Config":
         return cls(
-            backend=_backend(env.get("GEGLU_BACKEND", ""), "GEGLU_BACKEND"),
+            backend=parse_backend(env.get("GEGLU_BACKEND") or "auto", "GEGLU_BACKEND"),
             fused_mlp=_switch("GEGLU_FUSED_MLP", env.get("GEGLU_FUSED_MLP"), True,
                               "use the fused MLP forward where it is faster", "never"),
             fused_training=_switch("GEGLU_FUSED_TRAINING", env.get("GEGLU_FUSED_TRAINING"), False,
@@ -96,7 +97,7 @@ def configure(**changes) -> _Restore:
         raise TypeError(f"geglu.configure: unknown setting(s) {', '.join(sorted(unknown))}; expected backend, "
                         "fused_mlp or fused_training.")
     if "backend" in changes:
-        changes["backend"] = _backend(changes["backend"], "geglu.configure(backend)")
+        changes["backend"] = parse_backend(changes["backend"], "geglu.configure(backend)")
         if changes["backend"] == "cuda":
             from ._ops import HAS_CUDA_LIB
 

@@ -52,7 +52,6 @@ from ._ops import add_op_namespace_prefix
 DECODE_MAX_M = 64
 _LOW = (torch.float16, torch.bfloat16)
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-_PLAIN_TYPES = (Tensor, torch.nn.Parameter)
 _kernels_mod = None
 
 
@@ -105,10 +104,8 @@ def geglu_mlp(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, approxima
     if mode == _backend.PLAIN:
         return inference(x, w_gate, w_up, w_down, approximate)
     if mode == _backend.AUTOGRAD:
-        if not host_bound(x, w_gate):
-            y = training_forward(x, w_gate, w_up, w_down, approximate)
-            if y is not None:
-                return y
+        if not host_bound(x, w_gate) and node_applies(x, w_gate, w_up, w_down):
+            return _apply(x, w_gate, w_up, w_down, approximate)
         gate = F.linear(x, w_gate)
         h = (act(gate) if act is not None else F.gelu(gate, approximate=approximate)) * F.linear(x, w_up)
         return F.linear(h, w_down)
@@ -258,17 +255,11 @@ def host_bound(x: Tensor, w_gate: Tensor) -> bool:
                                                  _backend.NODE_EAGER_BELOW)
 
 
-def applies(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> bool:
-    """Whether the training step can run as one node here: plain eager CUDA/CPU tensors of one float dtype and
-    device, a gradient to record, nn.Linear-shaped weights ([H, D], [H, D], [D_out, H]), no autocast."""
-    if not torch.is_grad_enabled() or _backend.traced():
-        return False
-    if not (type(x) in _PLAIN_TYPES and type(w_gate) in _PLAIN_TYPES and type(w_up) in _PLAIN_TYPES
-            and type(w_down) in _PLAIN_TYPES):
-        return False
+def node_applies(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> bool:
+    """For a plain eager call that records a gradient (``_backend.call_mode`` said AUTOGRAD: plain tensors, no
+    tracing, grad enabled, an input requiring grad), whether the step can run as one node: CUDA/CPU tensors of one
+    float dtype and device, nn.Linear-shaped weights ([H, D], [H, D], [D_out, H]), no autocast."""
     if x.dim() < 2 or w_gate.dim() != 2:
-        return False
-    if not (x.requires_grad or w_gate.requires_grad or w_up.requires_grad or w_down.requires_grad):
         return False
     dev = x.device
     if dev.type not in ("cuda", "cpu") or x.dtype not in _FLOATS or torch.is_autocast_enabled(dev.type):
@@ -422,16 +413,9 @@ def _grads_accumulated(held, x, x2, w_gate, w_up, need_x, need_wg, need_wu):
     return dx, dwg, dwu
 
 
-# autograd.Function.apply's Python wrapper (argument binding, functorch checks) is skipped: `applies` has already
+# autograd.Function.apply's Python wrapper (argument binding, functorch checks) is skipped: `call_mode` has already
 # excluded functorch transforms, and the arguments are positional.
 _apply = super(torch.autograd.Function, GeGLUMLPFunction).apply
-
-
-def training_forward(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, approximate: str) -> Optional[Tensor]:
-    """The MLP's training step as one node, or None where it does not apply (the caller runs its regular path)."""
-    if not applies(x, w_gate, w_up, w_down):
-        return None
-    return _apply(x, w_gate, w_up, w_down, approximate)
 
 
 # --- custom ops: the same computations for torch.compile, tracing and tensor subclasses ---------------------------
@@ -549,5 +533,5 @@ def _train_backward(ctx, dy, _dg, _du, _dh):
 geglu_mlp_train.register_autograd(_train_backward, setup_context=_train_setup)
 
 
-__all__ = ["geglu_mlp", "inference", "regular", "training_forward", "applies", "host_bound", "GeGLUMLPFunction",
+__all__ = ["geglu_mlp", "inference", "regular", "node_applies", "host_bound", "GeGLUMLPFunction",
            "geglu_mlp_op", "geglu_mlp_train", "geglu_mlp_train_backward", "DECODE_MAX_M"]

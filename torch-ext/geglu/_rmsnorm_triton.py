@@ -47,18 +47,24 @@ def _fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, M, stride_x, stride_y,
 
 
 @triton.jit
+def _row_rstd(x_row, D: tl.constexpr, EPS: tl.constexpr, INV_D: tl.constexpr, CHUNK: tl.constexpr):
+    """rsqrt(mean(x^2) + eps) of one row wider than a slice, its squares summed in CHUNK-wide slices."""
+    acc = tl.zeros([CHUNK], dtype=tl.float32)
+    for k in range(0, D, CHUNK):
+        cols = k + tl.arange(0, CHUNK)
+        x = tl.load(x_row + cols, mask=cols < D, other=0.0).to(tl.float32)
+        acc += x * x
+    return tl.math.rsqrt(tl.sum(acc, axis=0) * INV_D + EPS)
+
+
+@triton.jit
 def _fwd_looped_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, stride_x, stride_y,
                        D: tl.constexpr, EPS: tl.constexpr, INV_D: tl.constexpr, OFFSET: tl.constexpr,
                        CHUNK: tl.constexpr, SAVE_RSTD: tl.constexpr):
     row = tl.cast(tl.program_id(0), tl.int64)
     x_row = x_ptr + row * stride_x
     y_row = y_ptr + row * stride_y
-    acc = tl.zeros([CHUNK], dtype=tl.float32)
-    for k in range(0, D, CHUNK):
-        cols = k + tl.arange(0, CHUNK)
-        x = tl.load(x_row + cols, mask=cols < D, other=0.0).to(tl.float32)
-        acc += x * x
-    r = tl.math.rsqrt(tl.sum(acc, axis=0) * INV_D + EPS)
+    r = _row_rstd(x_row, D, EPS, INV_D, CHUNK)
     for k in range(0, D, CHUNK):
         cols = k + tl.arange(0, CHUNK)
         cmask = cols < D
@@ -119,12 +125,7 @@ def _bwd_looped_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dwp_ptr, M, strid
         if HAS_RSTD:
             r = tl.load(rstd_ptr + row64)
         else:
-            ss = tl.zeros([CHUNK], dtype=tl.float32)
-            for k in range(0, D, CHUNK):
-                cols = k + tl.arange(0, CHUNK)
-                x = tl.load(x_row + cols, mask=cols < D, other=0.0).to(tl.float32)
-                ss += x * x
-            r = tl.math.rsqrt(tl.sum(ss, axis=0) * INV_D + EPS)
+            r = _row_rstd(x_row, D, EPS, INV_D, CHUNK)
         cacc = tl.zeros([CHUNK], dtype=tl.float32)
         for k in range(0, D, CHUNK):
             cols = k + tl.arange(0, CHUNK)
