@@ -164,8 +164,7 @@ def test_gelu_sass_is_eagers(offline, tmp_path, arch):
                         f"first differ):\n  {_sass.first_difference(g, e[1], t[1])}")
 
 
-# The launches whose results are eager's bits. _gluon_fwd's epilogue is the fast one (the fp32 GeGLU rounded
-# once, not eager's sequence), so its launch is not held to this.
+# The launches whose results are eager's bits (or, for the fused epilogues, a stated rounding sequence).
 EAGER_EXACT_LAUNCHERS = ["_triton.py", "_fused_mlp_triton.py", "_gluon_bwd.py"]
 
 

@@ -392,7 +392,7 @@ def gate_up_geglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, tan
     if M == 0 or N == 0:
         return out, gu
     if K == 0:
-        raise ValueError("geglu_mlp_fused: D = 0 is not supported by the fused kernel.")
+        raise ValueError("gate_up_geglu: D = 0 is not supported by the fused kernel.")
     cfg = config or choose_config(M, K, N, x.dtype, save)
     g_view, u_view = (gu[:, :N], gu[:, N:]) if save else (out, out)
     tensors = (x, w_gate, w_up, out, g_view, u_view)
@@ -485,7 +485,7 @@ def paired_gate_up_geglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tens
     if M == 0 or N == 0:
         return out, gu
     if x.shape[1] == 0:
-        raise ValueError("geglu_mlp_fused: D = 0 is not supported by the fused kernel.")
+        raise ValueError("gate_up_geglu: D = 0 is not supported by the fused kernel.")
     g_view, u_view = (gu[:, :N], gu[:, N:]) if save else (out, out)
     if not all(_aligned(t) for t in (x, out, g_view, u_view)):
         raise ValueError("paired_gate_up_geglu needs x with 16-byte aligned rows and a unit feature stride.")
