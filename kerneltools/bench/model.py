@@ -452,7 +452,7 @@ def count_graphs(s: Setup, lengths: list, backend: str) -> dict:
 
 def run_model(name: str, build_dir: Path, *, parts: list, modes: list, rounds: int, reps: int, device: str,
               tiny: bool, backend: str, new_tokens: int, graph_lengths: list, graph_backend: str,
-              repo_id: str, profile: bool = False, log=print) -> dict:
+              repo_id: str, profile: bool = False, compile_decode: bool = False, log=print) -> dict:
     import torch
 
     spec = MODELS[name]
@@ -465,10 +465,13 @@ def run_model(name: str, build_dir: Path, *, parts: list, modes: list, rounds: i
         if part == "decode":
             if spec.kind == "encoder":
                 continue
+            # generate() with transformers' dynamic cache recompiles as the cache grows: the compile modes are
+            # timed for decode only when asked (--compile-decode)
+            dmodes = modes if compile_decode else [mo for mo in modes if "compile" not in mo]
             for b in DECODE_BATCHES:
-                res["rows"].append(run_part(s, "decode", modes, rounds, reps, batch=b, log=log))
+                res["rows"].append(run_part(s, "decode", dmodes, rounds, reps, batch=b, log=log))
                 if profile:
-                    res["rows"][-1]["profile"] = profile_part(s, "decode", modes, batch=b)
+                    res["rows"][-1]["profile"] = profile_part(s, "decode", dmodes, batch=b)
         else:
             res["rows"].append(run_part(s, part, modes, rounds, reps, log=log))
             if profile:
@@ -508,8 +511,12 @@ def to_markdown(result: dict) -> str:
              "in the same round: below 1 is faster. First call: wall time of the first call (compilation and the "
              "fused path's one-time timing included). Peak: memory allocated above the model during one call.", ""]
     for res in result["models"]:
-        lines += [f"## {res['model']} ({res['source']}; {res['layers']} layers, {res['dtype']})", "",
-                  "| part | mode | ms | tokens/s | / eager | / compile | first call s | peak MiB |",
+        lines += [f"## {res['model']} ({res['source']}; {res['layers']} layers, {res['dtype']})", ""]
+        run = res.get("run")
+        if run is not None and (run["meta"]["commit"], run["rounds"]) != (m["commit"], result["rounds"]):
+            lines += [f"Commit {run['meta']['commit']}, {run['meta']['date']}, {run['rounds']} rounds of "
+                      f"{run['reps']} calls.", ""]
+        lines += ["| part | mode | ms | tokens/s | / eager | / compile | first call s | peak MiB |",
                   "|---|---|---|---|---|---|---|---|"]
         for row in res["rows"]:
             for mode, v in row["modes"].items():
@@ -592,13 +599,33 @@ def run(args, log=print) -> dict:
         result["models"].append(run_model(
             n, args.build_dir, parts=parts, modes=modes, rounds=args.rounds, reps=args.reps, device=device,
             tiny=args.tiny, backend=args.backend, new_tokens=args.new_tokens, graph_lengths=lengths,
-            graph_backend=args.graph_backend, repo_id=args.repo_id, profile=args.profile, log=log))
+            graph_backend=args.graph_backend, repo_id=args.repo_id, profile=args.profile,
+            compile_decode=args.compile_decode, log=log))
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "model.json").write_text(json.dumps(result, indent=1))
-        (args.out / "model.md").write_text(to_markdown(result) + "\n## Summary\n\n" + summary_markdown(result))
-        plot(result, args.out / "model.png")
+        write(result, args.out)
     return result
+
+
+def write(result: dict, out: Path) -> None:
+    """model.json, model.md (the tables and the summary) and model.png in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "model.json").write_text(json.dumps(result, indent=1))
+    (out / "model.md").write_text(to_markdown(result) + "\n## Summary\n\n" + summary_markdown(result))
+    plot(result, out / "model.png")
+
+
+def merge(paths: list) -> dict:
+    """One result from several model.json files (runs of different models, e.g. split over device calls): their
+    models in the given order, each keeping its own run's metadata (commit, date, rounds) under ``run``."""
+    results = [json.loads(Path(p).read_text()) for p in paths]
+    if not results:
+        raise SystemExit("error: --merge needs at least one model.json")
+    merged = dict(results[0], models=[])
+    for r in results:
+        for res in r["models"]:
+            merged["models"].append(dict(res, run=dict(meta=r["meta"], rounds=r["rounds"], reps=r["reps"],
+                                                       backend=r["backend"])))
+    return merged
 
 
 def add_arguments(p) -> None:
@@ -617,12 +644,21 @@ def add_arguments(p) -> None:
     p.add_argument("--tiny", action="store_true", help="tiny configs (the CPU test; timings mean nothing)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU even where a GPU is present")
     p.add_argument("--repo-id", default=None, help="the kernel's repo id (default: build.toml's)")
+    p.add_argument("--compile-decode", action="store_true",
+                   help="also time decode in the compile modes (generate's dynamic cache recompiles as it grows)")
+    p.add_argument("--merge", nargs="+", type=Path, default=None, metavar="MODEL_JSON",
+                   help="write one report (--out) from these model.json files instead of running")
     p.add_argument("--profile", action="store_true",
                    help="also profile one call per part and mode: GPU time by kernel category, top kernels, and the "
                         "autograd nodes of the training step")
 
 
 def main(args) -> int:
+    if args.merge:
+        if args.out is None:
+            raise SystemExit("error: --merge needs --out DIR")
+        write(merge(args.merge), args.out)
+        return 0
     if args.repo_id is None:
         from kerneltools.transformers_kernels import DEFAULT_REPO_ID
 
