@@ -361,32 +361,27 @@ struct Plan {
   int stages = 0;  // > 0: the cp.async pipeline with this many stages (2 or 4), vector path only
 };
 
-// GEGLU_CUDA_PLAN forces a plan, for tuning on a new GPU (kerneltools/cuda_bench.py --plans) and for tests:
-// "<threads>,<unroll>" (one tile per block; threads 32..256, a multiple of 32; unroll 1, 2 or 4, where the
-// vector path takes 4 as 2) or
-// "<threads>,p<stages>" (pipelined, stages 2 or 4; the scalar path then uses one tile per block, unroll 1).
-// Read at every launch (a getenv; negligible next to the launch).
+// A forced plan, for tuning on a new GPU (kerneltools/cuda_bench.py --plans) and for tests, set through the C entry
+// point geglu_c_set_plan (the package's `geglu.configure(cuda_plan=...)`, which reads GEGLU_CUDA_PLAN once at import):
+// threads 32..256, a multiple of 32; either one tile per block with unroll 1, 2 or 4 vectors per tensor per thread
+// (the vector path takes 4 as 2), or the cp.async pipeline with stages 2 or 4 (unroll 1; the scalar path then uses
+// one tile per block). Packed in one word so that a launch reads a consistent plan: threads | unroll << 16 |
+// stages << 24; 0 = the built-in choice.
+std::atomic<uint32_t> g_forced_plan{0};
+
+bool valid_plan(int threads, int unroll, int stages) {
+  if (threads < 32 || threads > kMaxThreads || threads % 32 != 0) return false;
+  if (stages != 0) return (stages == 2 || stages == 4) && unroll == 1;
+  return unroll == 1 || unroll == 2 || unroll == 4;
+}
+
 Plan forced_plan() {
   Plan plan;
-  const char* p = std::getenv("GEGLU_CUDA_PLAN");
-  if (!p || !*p) return plan;
-  int t = 0, u = 0, st = 0;
-  while (*p >= '0' && *p <= '9' && t < 100000) t = 10 * t + (*p++ - '0');
-  if (*p++ != ',') return plan;
-  if (*p == 'p') {
-    ++p;
-    while (*p >= '0' && *p <= '9' && st < 100000) st = 10 * st + (*p++ - '0');
-    if (st != 2 && st != 4) return plan;
-    u = 1;
-  } else {
-    while (*p >= '0' && *p <= '9' && u < 100000) u = 10 * u + (*p++ - '0');
-    if (u != 1 && u != 2 && u != 4) return plan;
-  }
-  if (*p == 0 && t >= 32 && t <= kMaxThreads && t % 32 == 0) {
-    plan.threads = t;
-    plan.unroll = u;
-    plan.stages = st;
-  }
+  const uint32_t packed = g_forced_plan.load(std::memory_order_relaxed);
+  if (packed == 0) return plan;
+  plan.threads = static_cast<int>(packed & 0xFFFF);
+  plan.unroll = static_cast<int>((packed >> 16) & 0xFF);
+  plan.stages = static_cast<int>(packed >> 24);
   return plan;
 }
 
@@ -537,6 +532,18 @@ Status geglu_bwd(DType dtype, View2D d_gate, View2D d_up, View2D grad, View2D ga
 
 const char* status_string(Status status) { return cudaGetErrorString(static_cast<cudaError_t>(status)); }
 
+Status set_launch_plan(int threads, int unroll, int stages) {
+  if (threads == 0) {
+    g_forced_plan.store(0, std::memory_order_relaxed);
+    return cudaSuccess;
+  }
+  if (!valid_plan(threads, unroll, stages)) return cudaErrorInvalidValue;
+  g_forced_plan.store(static_cast<uint32_t>(threads) | static_cast<uint32_t>(unroll) << 16 |
+                          static_cast<uint32_t>(stages) << 24,
+                      std::memory_order_relaxed);
+  return cudaSuccess;
+}
+
 }  // namespace geglu
 
 // ---- plain C entry points ---------------------------------------------------------------------------------------
@@ -583,6 +590,11 @@ __attribute__((visibility("default"))) int geglu_c_bwd(int dtype, void* d_gate, 
                             geglu::View2D{grad, s_dy}, geglu::View2D{gate, s_gate}, geglu::View2D{up, s_up}, rows,
                             cols, tanh != 0, stream);
   });
+}
+
+// Force a launch plan for every later launch (geglu::set_launch_plan). No CUDA call.
+__attribute__((visibility("default"))) int geglu_c_set_plan(int threads, int unroll, int stages) {
+  return geglu::set_launch_plan(threads, unroll, stages);
 }
 
 __attribute__((visibility("default"))) const char* geglu_c_error_string(int status) {

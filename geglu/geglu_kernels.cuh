@@ -34,6 +34,12 @@ Status geglu_bwd(DType dtype, View2D d_gate, View2D d_up, View2D grad, View2D ga
 
 const char* status_string(Status status);
 
+// Force the launch plan of every later launch, for tuning and tests: `threads` (32..256, a multiple of 32) with
+// either `unroll` 1, 2 or 4 vectors per tensor per thread and `stages` 0 (one tile per block), or `stages` 2 or 4
+// (the cp.async pipeline) and `unroll` 1. threads == 0 restores the built-in choice. An invalid plan returns
+// cudaErrorInvalidValue and changes nothing. Process-wide, no CUDA call.
+Status set_launch_plan(int threads, int unroll, int stages);
+
 }  // namespace geglu
 
 #ifdef __CUDACC__

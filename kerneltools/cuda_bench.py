@@ -2,7 +2,7 @@
 
     python -m kerneltools.cuda_bench                       # default shapes, bf16, both GELUs
     python -m kerneltools.cuda_bench --plans auto 256,2 256,1 256,p2 256,p4 128,p4 --shapes 8192x14336
-    GEGLU_CUDA_PLAN=256,2 python -m kerneltools.cuda_bench  # one forced launch plan
+    python -m kerneltools.cuda_bench --plans 256,2          # one forced launch plan
 
 Bytes counted: forward reads gate and up and writes out (3 tensors), backward reads grad, gate, up and writes
 d_gate, d_up (5). "% copy" divides the achieved bytes/s by a large torch copy's (read + write) bytes/s, measured
@@ -13,13 +13,13 @@ only). Eager PyTorch (F.gelu(g) * u and its autograd) is timed for reference.
 from __future__ import annotations
 
 import argparse
-import os
+import importlib
 import sys
 
 import torch
 import torch.nn.functional as F
 
-from .cuda_ops import load_ops
+from .cuda_ops import load_package
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_SHAPES = ["8192x14336", "8192x24576", "8192x9216", "32768x4096", "1024x14336", "16x14336", "1x14336"]
@@ -48,10 +48,9 @@ def copy_bandwidth(flush: torch.Tensor, reps: int) -> float:
     return 2 * src.numel() / (ms * 1e-3)
 
 
-def bench(ops, shapes, dtype, reps, eager: bool) -> None:
+def bench(ops, shapes, dtype, reps, eager: bool, plan: str) -> None:
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     bw = copy_bandwidth(flush, reps)
-    plan = os.environ.get("GEGLU_CUDA_PLAN") or "auto"
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s (read + write); plan {plan}; {dtype}")
     header = f"{'shape':>12} {'gelu':>5} | {'fwd us':>8} {'TB/s':>5} {'%copy':>6} | {'bwd us':>8} {'TB/s':>5} {'%copy':>6}"
     if eager:
@@ -93,13 +92,16 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--no-eager", action="store_true", help="skip the eager PyTorch reference timings")
     p.add_argument("--plans", nargs="+", default=None,
-                   help="launch plans to compare (GEGLU_CUDA_PLAN values: 256,2 = one tile per block, 2 vectors per "
+                   help="launch plans to compare (geglu.configure(cuda_plan=...) values: 256,2 = one tile per block, 2 vectors per "
                         "thread; 256,p4 = cp.async pipeline, 4 stages; auto = the built-in choice)")
     args = p.parse_args(argv)
-    ops = load_ops(args.build_dir)
-    for plan in args.plans or [os.environ.get("GEGLU_CUDA_PLAN", "auto")]:
-        os.environ["GEGLU_CUDA_PLAN"] = "" if plan == "auto" else plan  # read at every launch
-        bench(ops, args.shapes, DTYPES[args.dtype], args.reps, eager=not args.no_eager and plan == (args.plans or ["auto"])[0])
+    package = load_package(args.build_dir)
+    ops = importlib.import_module(package.__name__ + "._ops").ops
+    plans = args.plans or [package.get_config().cuda_plan or "auto"]
+    for plan in plans:
+        with package.configure(cuda_plan=plan):
+            bench(ops, args.shapes, DTYPES[args.dtype], args.reps, eager=not args.no_eager and plan == plans[0],
+                  plan=plan)
     return 0
 
 

@@ -32,8 +32,9 @@ def _import_variant(variant: Path):
     return module
 
 
-def load_ops(path: str | os.PathLike | None = None):
-    """``torch.ops.<OPS>`` of the compiled variant in ``path`` (default $GEGLU_BUILD_DIR or build/)."""
+def load_package(path: str | os.PathLike | None = None):
+    """The package of the compiled variant in ``path`` (default $GEGLU_BUILD_DIR or build/), loaded as kernels'
+    loader loads it; its ``configure(cuda_plan=...)`` forces launch plans."""
     import torch
 
     root = build_dir(path)
@@ -49,10 +50,14 @@ def load_ops(path: str | os.PathLike | None = None):
         module = _import_variant(variants[-1])
     else:
         module = kernels.get_local_kernel(root, backend="cuda")
-    ops_module = importlib.import_module(module.__name__ + "._ops")
-    if not getattr(ops_module, "HAS_CUDA_LIB", False):
+    if not getattr(importlib.import_module(module.__name__ + "._ops"), "HAS_CUDA_LIB", False):
         raise SystemExit(
             f"{root}: the loader chose {Path(module.__file__).parent.name}, not the compiled variant "
             f"(torch {torch.__version__}, CUDA {torch.version.cuda})"
         )
-    return ops_module.ops
+    return module
+
+
+def load_ops(path: str | os.PathLike | None = None):
+    """``torch.ops.<OPS>`` of the compiled variant in ``path`` (default $GEGLU_BUILD_DIR or build/)."""
+    return importlib.import_module(load_package(path).__name__ + "._ops").ops

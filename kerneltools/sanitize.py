@@ -15,6 +15,7 @@ strided rows). Results are also compared bitwise with eager PyTorch. Exits non-z
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import time
@@ -22,7 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .cuda_ops import load_ops
+from .cuda_ops import load_package
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 INT = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
@@ -119,29 +120,30 @@ def main(argv=None) -> int:
     p.add_argument("--build-dir", default=None, help="build/ holding the compiled variant (default: $GEGLU_BUILD_DIR or build/)")
     p.add_argument("--quick", action="store_true", help="skip the >2^31-element tensors")
     p.add_argument("--plans", nargs="+", default=["auto", "256,1", "256,2", "64,1", "256,p2", "64,p4"],
-                   help="launch plans to sweep (GEGLU_CUDA_PLAN values; auto = the built-in choice)")
+                   help="launch plans to sweep (geglu.configure(cuda_plan=...) values; auto = the built-in choice)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
-    ops = load_ops(args.build_dir)
+    package = load_package(args.build_dir)
+    ops = importlib.import_module(package.__name__ + "._ops").ops
     torch.manual_seed(0)
     failures: list[str] = []
     t0 = time.monotonic()
     n = 0
-    for plan in args.plans:  # GEGLU_CUDA_PLAN is read at every launch
-        os.environ["GEGLU_CUDA_PLAN"] = "" if plan == "auto" else plan
-        for dtype in DTYPES:
-            for name, *tensors in small_cases(dtype):
-                run_case(ops, f"[{plan}] {name}", *tensors, failures)
-                n += 1
-        torch.cuda.synchronize()
+    for plan in args.plans:
+        with package.configure(cuda_plan=plan):
+            for dtype in DTYPES:
+                for name, *tensors in small_cases(dtype):
+                    run_case(ops, f"[{plan}] {name}", *tensors, failures)
+                    n += 1
+            torch.cuda.synchronize()
     if not args.quick:
         for plan in ("auto", "256,2"):  # the pipelined and the one-tile-per-block kernels
-            os.environ["GEGLU_CUDA_PLAN"] = "" if plan == "auto" else plan
-            big_cases(ops, failures)
+            with package.configure(cuda_plan=plan):
+                big_cases(ops, failures)
+                torch.cuda.synchronize()
             n += 2
-    os.environ.pop("GEGLU_CUDA_PLAN", None)
     torch.cuda.synchronize()
     for f in failures:
         print("MISMATCH", f)

@@ -10,14 +10,52 @@ import pytest
 
 def test_defaults_and_environment_parsing(geglu):
     cfg = importlib.import_module(geglu.__name__ + "._config")
-    assert cfg.Config.from_env({}) == cfg.Config("auto", True, False)
-    env = {"GEGLU_BACKEND": " Triton ", "GEGLU_FUSED_MLP": "off", "GEGLU_FUSED_TRAINING": "YES"}
-    assert cfg.Config.from_env(env) == cfg.Config("triton", False, True)
+    assert cfg.Config.from_env({}) == cfg.Config("auto", True, False, "")
+    env = {"GEGLU_BACKEND": " Triton ", "GEGLU_FUSED_MLP": "off", "GEGLU_FUSED_TRAINING": "YES",
+           "GEGLU_CUDA_PLAN": " 128,P4 "}
+    assert cfg.Config.from_env(env) == cfg.Config("triton", False, True, "128,p4")
     for name, value, message in (("GEGLU_FUSED_MLP", "maybe", "GEGLU_FUSED_MLP='maybe': expected 1"),
                                  ("GEGLU_FUSED_TRAINING", "fast", "GEGLU_FUSED_TRAINING='fast': expected 1"),
-                                 ("GEGLU_BACKEND", "rocm", "GEGLU_BACKEND='rocm' is not a backend")):
+                                 ("GEGLU_BACKEND", "rocm", "GEGLU_BACKEND='rocm' is not a backend"),
+                                 ("GEGLU_CUDA_PLAN", "256,3", "GEGLU_CUDA_PLAN='256,3' is not a launch plan")):
         with pytest.raises(ValueError, match=message):
             cfg.Config.from_env({name: value})
+
+
+@pytest.mark.parametrize("plan, canonical, args", [
+    ("", "", (0, 0, 0)), ("auto", "", (0, 0, 0)), (" AUTO ", "", (0, 0, 0)), ("256,1", "256,1", (256, 1, 0)),
+    ("32,4", "32,4", (32, 4, 0)), ("256,2", "256,2", (256, 2, 0)), ("128, p2", "128,p2", (128, 1, 2)),
+    ("64,p4", "64,p4", (64, 1, 4))])
+def test_cuda_plan_forms(geglu, plan, canonical, args):
+    cfg = importlib.import_module(geglu.__name__ + "._config")
+    assert cfg.parse_cuda_plan(plan, "x") == canonical
+    assert cfg.plan_args(canonical) == args
+
+
+@pytest.mark.parametrize("plan", ["256", "256,3", "300,1", "16,1", "0,1", "96,8", "256,p3", "256,p", "abc",
+                                  "256,1,x", ",2", "256;2", None, 256])
+def test_cuda_plan_refuses_malformed_plans(geglu, plan):
+    cfg = importlib.import_module(geglu.__name__ + "._config")
+    with pytest.raises(ValueError, match=r"is not a launch plan; expected .* \"<threads>,<unroll>\""):
+        cfg.parse_cuda_plan(plan, "GEGLU_CUDA_PLAN")
+    before = geglu.get_config()
+    with pytest.raises(ValueError, match="configure\\(cuda_plan\\)=.* is not a launch plan"):
+        geglu.configure(cuda_plan=plan)
+    assert geglu.get_config() == before
+
+
+def test_cuda_plan_needs_the_compiled_library(geglu):
+    """Without the compiled library (a Triton/CPU variant, a CPU torch) a plan is refused, the built-in choice
+    ("" / "auto") is accepted, and nothing changes on the refusal."""
+    before = geglu.get_config()
+    with geglu.configure(cuda_plan="auto"):
+        assert geglu.get_config().cuda_plan == ""
+    direct = importlib.import_module(geglu.__name__ + "._direct")
+    if direct.set_plan is not None:
+        pytest.skip("this variant has the compiled library (the GPU tests force plans)")
+    with pytest.raises(RuntimeError, match="cuda_plan='256,2'.*has no compiled CUDA library"):
+        geglu.configure(cuda_plan="256,2")
+    assert geglu.get_config() == before
 
 
 def test_configure_changes_and_restores(geglu):
@@ -34,7 +72,7 @@ def test_configure_changes_and_restores(geglu):
 
 
 def test_configure_refuses_unknown_settings_and_values(geglu):
-    with pytest.raises(TypeError, match="unknown setting.*fused_mpl.*expected backend, fused_mlp or fused_training"):
+    with pytest.raises(TypeError, match="unknown setting.*fused_mpl.*expected backend, fused_mlp, fused_training or cuda_plan"):
         geglu.configure(fused_mpl=False)
     with pytest.raises(TypeError, match=r"fused_mlp='no'\): expected True or False"):
         geglu.configure(fused_mlp="no")
@@ -49,10 +87,10 @@ def test_configure_refuses_unknown_settings_and_values(geglu):
 def test_environment_is_read_at_import(build_dir, tmp_path):
     """GEGLU_* are read once, when the package is imported (here in a fresh process)."""
     code = ("import kernels, sys; g = kernels.get_local_kernel(__import__('pathlib').Path(sys.argv[1])); "
-            "c = g.get_config(); print(c.backend, c.fused_mlp, c.fused_training)")
-    env = {"GEGLU_BACKEND": "triton", "GEGLU_FUSED_MLP": "0", "GEGLU_FUSED_TRAINING": "1", "PATH": "/usr/bin:/bin",
-           "HOME": str(tmp_path)}
+            "c = g.get_config(); print(c.backend, c.fused_mlp, c.fused_training, c.cuda_plan)")
+    env = {"GEGLU_BACKEND": "triton", "GEGLU_FUSED_MLP": "0", "GEGLU_FUSED_TRAINING": "1", "GEGLU_CUDA_PLAN": "64,P2",
+           "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code, str(build_dir)], capture_output=True, text=True, env=env,
                          timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["triton", "False", "True"]
+    assert out.stdout.split() == ["triton", "False", "True", "64,p2"]

@@ -44,7 +44,8 @@ from kerneltools.cuda_ops import _import_variant  # noqa: E402  (what kernels' l
 
 
 @pytest.fixture(scope="module")
-def ops():
+def package():
+    """The package of the compiled variant (its ``configure`` sets the launch plan)."""
     build_dir = Path(os.environ.get("GEGLU_BUILD_DIR", REPO / "build")).resolve()
     if not build_dir.is_dir():
         pytest.fail(f"no build at {build_dir}: run `python -m kerneltools build --variant cuda-compiled` first")
@@ -63,7 +64,12 @@ def ops():
         f"{build_dir}: the loader chose {Path(module.__file__).parent.name}, not the compiled variant "
         f"(torch {torch.__version__}, CUDA {torch.version.cuda})"
     )
-    return ops_module.ops
+    return module
+
+
+@pytest.fixture(scope="module")
+def ops(package):
+    return importlib.import_module(package.__name__ + "._ops").ops
 
 
 # --- helpers ---------------------------------------------------------------------------------------------------
@@ -250,15 +256,15 @@ def test_broadcast_rows_input(ops):
         ops.geglu_fwd(torch.empty(1, d, device="cuda", dtype=torch.bfloat16).expand(64, d), u, u, False)
 
 
-# --- every launch plan (GEGLU_CUDA_PLAN is read at each launch) ---------------------------------------------------
+# --- every launch plan (geglu.configure(cuda_plan=...): the library's setter) --------------------------------------
 
 PLANS = ["256,1", "256,2", "256,4", "64,1", "32,2", "256,p2", "256,p4", "128,p4", "64,p2"]
 
 
 @pytest.fixture
-def plan(request, monkeypatch):
-    monkeypatch.setenv("GEGLU_CUDA_PLAN", request.param)
-    return request.param
+def plan(request, package):
+    with package.configure(cuda_plan=request.param):
+        yield request.param
 
 
 @pytest.mark.parametrize("plan", PLANS, indirect=True)
@@ -291,11 +297,59 @@ def test_every_plan(ops, plan, dtype):
         assert_bitwise(u, ref_du, f"plan {plan} in-place d_up")
 
 
-def test_malformed_plan_is_ignored(ops, monkeypatch):
-    g, u = randn(64, 4096, dtype=torch.bfloat16), randn(64, 4096, dtype=torch.bfloat16)
-    for bad in ["", "256", "256,3", "300,1", "256,p3", "abc", "256,1,x"]:
-        monkeypatch.setenv("GEGLU_CUDA_PLAN", bad)
-        check_fwd(ops, torch.empty_like(g), g, u, "none", f"plan {bad!r}")
+def _launch_shapes(fn, tmp_path) -> list:
+    """(grid x, block x) of each geglu kernel that ``fn`` launches, from torch.profiler's trace (Kineto records
+    every kernel's launch configuration)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    trace = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(trace))
+    events = json.loads(trace.read_text())["traceEvents"]
+    return [(e["args"]["grid"][0], e["args"]["block"][0]) for e in events
+            if e.get("cat") == "kernel" and "geglu_" in e.get("name", "")]
+
+
+def test_forced_plan_sets_the_launch_shape(ops, package, tmp_path):
+    """The plan reaches the launches: the block size is the plan's threads, a one-tile-per-block grid covers the
+    problem (vectors / (threads * unroll)), the pipelined grid is capped at what fits on the SMs; the built-in
+    choice comes back when the context ends."""
+    m, d = 4096, 4096  # bf16: 8-element vectors, 2^21 vectors
+    g, u = randn(m, d, dtype=torch.bfloat16), randn(m, d, dtype=torch.bfloat16)
+    out = torch.empty_like(g)
+    vectors = m * d // 8
+    launch = lambda: ops.geglu_fwd(out, g, u, False)  # noqa: E731
+    auto = _launch_shapes(launch, tmp_path)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for plan, block, grid in [("64,1", 64, vectors // 64), ("128,2", 128, vectors // 256),
+                              ("32,4", 32, vectors // 64),  # the vector path runs a forced unroll of 4 as 2
+                              ("256,p2", 256, None)]:
+        with package.configure(cuda_plan=plan):
+            shapes = _launch_shapes(launch, tmp_path)
+        assert len(shapes) == 1 and shapes[0][1] == block, (plan, shapes)
+        if grid is not None:
+            assert shapes[0][0] == grid, (plan, shapes)
+        else:
+            assert shapes[0][0] <= 16 * sms, (plan, shapes)  # persistent: at most the resident blocks
+        check_fwd(ops, torch.empty_like(g), g, u, "none", f"plan {plan}")
+    assert _launch_shapes(launch, tmp_path) == auto
+
+
+def test_malformed_plan_is_refused_and_the_plan_restored(ops, package):
+    """A malformed plan raises and leaves the plan in force; leaving the context restores the built-in choice. The
+    plans differ only in speed, so each state is checked by its bits and by the launch shape it implies: the forced
+    32-thread plan must still give eager's bits on a problem the built-in choice would pipeline."""
+    g, u = randn(4096, 4096, dtype=torch.bfloat16), randn(4096, 4096, dtype=torch.bfloat16)
+    with package.configure(cuda_plan="32,1"):
+        for bad in ["256", "256,3", "300,1", "256,p3", "abc", "256,1,x"]:
+            with pytest.raises(ValueError, match="is not a launch plan"):
+                package.configure(cuda_plan=bad)
+            assert package.get_config().cuda_plan == "32,1"
+        check_fwd(ops, torch.empty_like(g), g, u, "none", "plan 32,1 after refusals")
+    assert package.get_config().cuda_plan == ""
+    check_fwd(ops, torch.empty_like(g), g, u, "tanh", "built-in plan restored")
 
 
 # --- streams, graphs, devices ------------------------------------------------------------------------------------

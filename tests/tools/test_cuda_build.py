@@ -182,7 +182,7 @@ def test_linking_and_exports(built):
         if re.search(r"\b(FUNC|OBJECT)\b", line) and " UND " not in line and "GLOBAL" in line
     }
     # the Python module's init and the plain C entry points of the package's ctypes fast path (_direct.py)
-    assert exported == {f"PyInit_{built.ops}", "geglu_c_fwd", "geglu_c_bwd", "geglu_c_error_string"}
+    assert exported == {f"PyInit_{built.ops}", "geglu_c_fwd", "geglu_c_bwd", "geglu_c_error_string", "geglu_c_set_plan"}
 
 
 # --- the kernels loader on a CPU torch -----------------------------------------------------------------------
@@ -278,6 +278,10 @@ def test_library_loads_and_registers_schemas(built, tmp_path):
         "lib.geglu_c_fwd.argtypes = [ctypes.c_int, p, i64, p, i64, p, i64, i64, i64, ctypes.c_int, ctypes.c_int, p]\n"
         "lib.geglu_c_error_string.restype = ctypes.c_char_p\n"
         "print(lib.geglu_c_fwd(7, None, 0, None, 0, None, 0, 1, 1, 0, 0, None), lib.geglu_c_error_string(1).decode())\n"
+        # the plan setter validates without touching CUDA: 0 = accepted, 1 = cudaErrorInvalidValue
+        "plans = [(256, 2, 0), (32, 4, 0), (128, 1, 4), (0, 0, 0), (256, 3, 0), (300, 1, 0), (16, 1, 0), (256, 2, 4),\n"
+        "         (256, 1, 3), (-32, 1, 0)]\n"
+        "print(' '.join(str(lib.geglu_c_set_plan(*plan)) for plan in plans))\n"
     )
     env = dict(os.environ, LD_LIBRARY_PATH=f"{tmp_path}:{cudart}", LD_BIND_NOW="1")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
@@ -287,6 +291,7 @@ def test_library_loads_and_registers_schemas(built, tmp_path):
     assert lines[1] == f"{built.ops}::{SCHEMAS['geglu_bwd']}"
     assert lines[2] == "no CPU kernel"  # registered for the CUDA dispatch key only
     assert lines[3] == "1 invalid argument"
+    assert lines[4] == "0 0 0 0 1 1 1 1 1 1"
 
 
 def test_sass_uses_128bit_accesses_and_no_local_memory(built):

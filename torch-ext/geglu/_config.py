@@ -14,6 +14,11 @@ setting            environment variable        meaning
                                                Gluon backward runs (sm_90): the gate/up GEMM saving gelu(g) and
                                                u·gelu'(g), ``dY @ Wd`` with the dGeGLU's products in its
                                                epilogue, dx summed in one GEMM (default off: eager's bits)
+``cuda_plan``      ``GEGLU_CUDA_PLAN``         the compiled library's launch plan, for tuning on a new GPU
+                                               and for tests: ``""`` (default) the built-in choice per size,
+                                               ``"<threads>,<unroll>"`` one tile per block (threads 32..256, a
+                                               multiple of 32; unroll 1, 2 or 4) or ``"<threads>,p<stages>"``
+                                               the cp.async pipeline (stages 2 or 4); the same bits either way
 =================  ==========================  ============================================================
 
 Change them for a process with :func:`configure` (also a context manager)::
@@ -31,6 +36,8 @@ import os
 from typing import Optional
 
 BACKENDS = ("auto", "cuda", "triton")
+_PLAN_FORMS = ('"" or "auto" (the built-in choice), "<threads>,<unroll>" (threads 32..256, a multiple of 32; unroll '
+               '1, 2 or 4) or "<threads>,p<stages>" (stages 2 or 4), e.g. "256,2" or "256,p4"')
 
 
 def _switch(name: str, setting: Optional[str], default: bool, on: str, off: str) -> bool:
@@ -53,11 +60,37 @@ def parse_backend(name: str, what: str) -> str:
     return value
 
 
+def parse_cuda_plan(plan: str, what: str) -> str:
+    """``plan`` in its canonical form (``""`` for the built-in choice), or a ValueError naming ``what`` was given
+    and the forms a plan takes."""
+    value = plan.strip().lower() if isinstance(plan, str) else None
+    if value in ("", "auto"):
+        return ""
+    if value is not None:
+        threads, sep, rest = (part.strip() for part in value.partition(","))
+        pipelined = rest.startswith("p")
+        count = rest[1:] if pipelined else rest
+        if sep and threads.strip().isdigit() and count.strip().isdigit():
+            t, c = int(threads), int(count)
+            if 32 <= t <= 256 and t % 32 == 0 and c in ((2, 4) if pipelined else (1, 2, 4)):
+                return f"{t},{'p' if pipelined else ''}{c}"
+    raise ValueError(f"{what}={plan!r} is not a launch plan; expected {_PLAN_FORMS}.")
+
+
+def plan_args(plan: str):
+    """(threads, unroll, stages) of a canonical plan for the library's setter; (0, 0, 0) for the built-in choice."""
+    if not plan:
+        return 0, 0, 0
+    threads, rest = plan.split(",")
+    return (int(threads), 1, int(rest[1:])) if rest.startswith("p") else (int(threads), int(rest), 0)
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     backend: str = "auto"
     fused_mlp: bool = True
     fused_training: bool = False
+    cuda_plan: str = ""
 
     @classmethod
     def from_env(cls, env=os.environ) -> "Config":
@@ -67,7 +100,8 @@ class Config:
                               "use the fused MLP forward where it is faster", "never"),
             fused_training=_switch("GEGLU_FUSED_TRAINING", env.get("GEGLU_FUSED_TRAINING"), False,
                                    "GeGLUMLP's training step with the fused kernels where the Gluon backward runs",
-                                   "eager's bits"))
+                                   "eager's bits"),
+            cuda_plan=parse_cuda_plan(env.get("GEGLU_CUDA_PLAN") or "", "GEGLU_CUDA_PLAN"))
 
 
 current = Config.from_env()
@@ -84,18 +118,37 @@ class _Restore:
 
     def __exit__(self, *exc) -> bool:
         global current
+        if current.cuda_plan != self._previous.cuda_plan:
+            _apply_plan(self._previous.cuda_plan)
         current = self._previous
         return False
 
 
+def _apply_plan(plan: str) -> None:
+    """Hand the launch plan to the compiled library (it applies to every later launch in the process)."""
+    from . import _direct
+
+    if _direct.set_plan is None:
+        if plan:
+            raise RuntimeError(
+                f"geglu.configure(cuda_plan={plan!r}): this build variant has no compiled CUDA library to take a "
+                "launch plan (a Triton/CPU variant, or torch without CUDA). Load the torch-stable-abi* variant on a "
+                "CUDA machine, or leave cuda_plan unset.")
+        return
+    status = _direct.set_plan(*plan_args(plan))
+    if status:
+        raise ValueError(f"geglu.configure(cuda_plan={plan!r}): the compiled library refused the plan "
+                         f"(status {status}); expected {_PLAN_FORMS}.")
+
+
 def configure(**changes) -> _Restore:
-    """Change settings (``backend``, ``fused_mlp``, ``fused_training``); returns a context manager that restores the
-    previous ones."""
+    """Change settings (``backend``, ``fused_mlp``, ``fused_training``, ``cuda_plan``); returns a context manager
+    that restores the previous ones."""
     global current
     unknown = set(changes) - {f.name for f in dataclasses.fields(Config)}
     if unknown:
         raise TypeError(f"geglu.configure: unknown setting(s) {', '.join(sorted(unknown))}; expected backend, "
-                        "fused_mlp or fused_training.")
+                        "fused_mlp, fused_training or cuda_plan.")
     if "backend" in changes:
         changes["backend"] = parse_backend(changes["backend"], "geglu.configure(backend)")
         if changes["backend"] == "cuda":
@@ -108,6 +161,10 @@ def configure(**changes) -> _Restore:
     for name in ("fused_mlp", "fused_training"):
         if name in changes and not isinstance(changes[name], bool):
             raise TypeError(f"geglu.configure({name}={changes[name]!r}): expected True or False.")
+    if "cuda_plan" in changes:
+        changes["cuda_plan"] = parse_cuda_plan(changes["cuda_plan"], "geglu.configure(cuda_plan)")
+        if changes["cuda_plan"] != current.cuda_plan:
+            _apply_plan(changes["cuda_plan"])  # raises before anything changed
     previous = current
     current = dataclasses.replace(current, **changes)
     return _Restore(previous)

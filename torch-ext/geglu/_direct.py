@@ -26,7 +26,7 @@ _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
 def _find_entry_points():
     """The library that `_ops` loaded (same directory, already in the process: RTLD_NOLOAD never loads another
-    copy), if it exports the C entry points."""
+    copy), if it exports the C entry points: (fwd, bwd, error string, plan setter or None)."""
     if not HAS_CUDA_LIB or not hasattr(os, "RTLD_NOLOAD"):
         return None
     here = os.path.dirname(os.path.abspath(__file__))
@@ -40,14 +40,19 @@ def _find_entry_points():
         bwd.argtypes = [_int, _ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _int, _int, _ptr]
         fwd.restype = bwd.restype = _int
         err.argtypes, err.restype = [_int], ctypes.c_char_p
-        return fwd, bwd, err
+        plan = getattr(lib, "geglu_c_set_plan", None)
+        if plan is not None:
+            plan.argtypes, plan.restype = [_int, _int, _int], _int
+        return fwd, bwd, err, plan
     return None
 
 
 _stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent from CPU-only torch builds
 _ENTRY = _find_entry_points() if _stream is not None else None
 AVAILABLE = _ENTRY is not None
-_fwd, _bwd, _err = _ENTRY if AVAILABLE else (None, None, None)
+_fwd, _bwd, _err, set_plan = _ENTRY if AVAILABLE else (None, None, None, None)
+if set_plan is not None and _config.current.cuda_plan:  # GEGLU_CUDA_PLAN, read once with the other settings
+    set_plan(*_config.plan_args(_config.current.cuda_plan))
 
 
 def _row_stride(t: torch.Tensor, rows: int, cols: int) -> int:

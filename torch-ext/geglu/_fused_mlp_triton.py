@@ -283,13 +283,12 @@ class Config(NamedTuple):
     group_m: int = 8
     num_warps: int = 8
     num_stages: int = 3
-    persistent: bool = False
-    flatten: bool = False
+    persistent: bool = False  # one program per SM looping over the tiles
+    flatten: bool = False  # persistent: Triton's loop flattening of the tile and K loops into one pipelined loop,
+    #                        so that the next tile's first loads are in flight during this tile's epilogue
     warp_specialize: bool = False  # Triton's automatic warp specialisation: on the tile loop when persistent, else
     #                                on the K loop (a TMA producer warp and wgmma consumer warpgroups)
     tma: bool = True  # use TMA descriptors where the hardware and the strides allow it
-    programs_per_sm: int = 1  # persistent grid size = programs_per_sm * SMs (2 for tiles that fit twice on an SM)
-    maxnreg: Optional[int] = None  # register cap (e.g. 128 at 8 warps: two programs per SM)
     fast_epi: bool = False  # GeGLU of the fp32 accumulators with hardware approximations, rounded once
     pair: bool = False  # forward: one [2 * BLOCK_N, BLOCK_K] weight operand holding both weights' tiles, one dot
     #                     of N = 2 * BLOCK_N per K step (`paired_gate_up_geglu`), where the weights allow it
@@ -297,12 +296,9 @@ class Config(NamedTuple):
     def label(self) -> str:
         s = f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages} g{self.group_m}"
         if self.persistent:
-            s += " persistent" + (f"x{self.programs_per_sm}" if self.programs_per_sm > 1 else "") + (
-                " flat" if self.flatten else "")
+            s += " persistent" + (" flat" if self.flatten else "")
         if self.warp_specialize:
             s += " ws"
-        if self.maxnreg:
-            s += f" r{self.maxnreg}"
         if not self.tma:
             s += " ptr"
         if self.fast_epi:
@@ -318,8 +314,9 @@ class Config(NamedTuple):
 LARGE = Config(128, 128, 64, 16, 8, 3, persistent=True, pair=True)  # paired where the weights allow
 MEDIUM = Config(64, 128, 64, 8, 4, 4)  # 65 <= M <= 256: one warpgroup, m64 wgmma
 INTERPRETER = Config(16, 16, 16, 2, 1, 1)  # tiny tiles: several tiles and K steps at test sizes
-# Paired-kernel tiles: BLOCK_N counts h columns, so the dot is BLOCK_M x (2 * BLOCK_N).
-PAIRED_LARGE = Config(128, 128, 64, 16, 8, 3, persistent=True, fast_epi=True, pair=True)
+# Paired-kernel tiles: BLOCK_N counts h columns, so the dot is BLOCK_M x (2 * BLOCK_N). The flattened persistent
+# loop overlaps a tile's epilogue with the next tile's first loads (the outputs are bit-identical either way).
+PAIRED_LARGE = Config(128, 128, 64, 16, 8, 3, persistent=True, flatten=True, fast_epi=True, pair=True)
 
 # Choices per (M bucket, D, H, dtype, save) -> Config; `gate_up_geglu` fills it when a config runs out of shared
 # memory on a device (one stage fewer), and the inference path with its configs.
@@ -422,7 +419,7 @@ def gate_up_geglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, tan
 
 def _launch(args, M, N, K, x, w_gate, w_up, out, g_view, u_view, tanh, save, use_tma, cfg):
     num_tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
-    grid = (min(num_tiles, cfg.programs_per_sm * _sm_count(x.device)) if cfg.persistent else num_tiles,)
+    grid = (min(num_tiles, _sm_count(x.device)) if cfg.persistent else num_tiles,)
     with torch.cuda.device(x.device) if x.device.type == "cuda" else _nullcontext():
         _gate_up_geglu_kernel[grid](
             *args, M, N, K,
@@ -433,7 +430,6 @@ def _launch(args, M, N, K, x, w_gate, w_up, out, g_view, u_view, tanh, save, use
             FAST_EPI=cfg.fast_epi,
             K_BETA_TANH=K_BETA_TANH, K_KAPPA=K_KAPPA, K_ALPHA=K_ALPHA,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
-            **_maxnreg(cfg),
         )
 
 
@@ -503,19 +499,15 @@ def _launch_paired(x, layout: PairLayout, w_gate, out, g_view, u_view, tanh, sav
             ((x, [bm, bk]), (out, [bm, bn]), (g_view, [bm, bn]), (u_view, [bm, bn]))]
     args.insert(1, w_desc)
     num_tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-    grid = (min(num_tiles, cfg.programs_per_sm * _sm_count(x.device)) if cfg.persistent else num_tiles,)
+    grid = (min(num_tiles, _sm_count(x.device)) if cfg.persistent else num_tiles,)
     with torch.cuda.device(x.device) if x.device.type == "cuda" else _nullcontext():
         _paired_gate_up_geglu_kernel[grid](
             *args, M, N, K, TANH=tanh, SAVE=save, DOT_F32=INTERPRET, GATE_FIRST=layout.gate_first,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
             PERSISTENT=cfg.persistent, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
             FAST_EPI=cfg.fast_epi, K_BETA_TANH=K_BETA_TANH, K_KAPPA=K_KAPPA, K_ALPHA=K_ALPHA,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, **_maxnreg(cfg),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
         )
-
-
-def _maxnreg(cfg: Config) -> dict:
-    return {"maxnreg": cfg.maxnreg} if cfg.maxnreg and not INTERPRET else {}
 
 
 class _nullcontext:
