@@ -149,6 +149,11 @@ MUTANTS = [
            'parent_commit=h.get("parentCommit"),',
            "parent_commit=None,",
            ("tests/tools/test_hub_server.py::test_parent_commit",)),
+    Mutant("compiled-layer-opaque", "under torch.compile a pointwise layer calls the op (Inductor cannot fuse it)",
+           f"{PKG}/layers.py",
+           "    if approximate is None or _is_compiling():\n        return act(gate) * up",
+           "    if approximate is None:\n        return act(gate) * up",
+           ("tests/tools/test_bench_model.py::test_compiled_graph_is_the_hosts_but_for_the_fused_mlp",)),
 ]
 
 

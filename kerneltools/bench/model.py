@@ -452,7 +452,10 @@ def count_graphs(s: Setup, lengths: list, backend: str) -> dict:
 
 def run_model(name: str, build_dir: Path, *, parts: list, modes: list, rounds: int, reps: int, device: str,
               tiny: bool, backend: str, new_tokens: int, graph_lengths: list, graph_backend: str,
-              repo_id: str, profile: bool = False, compile_decode: bool = False, log=print) -> dict:
+              repo_id: str, profile: bool = False, compile_decode: bool = False, log=print,
+              on_row: Callable[[dict], None] | None = None) -> dict:
+    """Every part of one model; ``on_row`` gets the model's result as far as it got after each row (so that a run
+    stopped half-way keeps what it measured)."""
     import torch
 
     spec = MODELS[name]
@@ -472,10 +475,14 @@ def run_model(name: str, build_dir: Path, *, parts: list, modes: list, rounds: i
                 res["rows"].append(run_part(s, "decode", dmodes, rounds, reps, batch=b, log=log))
                 if profile:
                     res["rows"][-1]["profile"] = profile_part(s, "decode", dmodes, batch=b)
+                if on_row is not None:
+                    on_row(res)
         else:
             res["rows"].append(run_part(s, part, modes, rounds, reps, log=log))
             if profile:
                 res["rows"][-1]["profile"] = profile_part(s, part, modes)
+            if on_row is not None:
+                on_row(res)
         if profile:
             for mode, p in res["rows"][-1]["profile"].items():
                 log(f"  profile {res['rows'][-1]['part']} {mode}: GPU {p['gpu_ms']} ms, idle {p['idle_ms']} ms "
@@ -510,6 +517,8 @@ def to_markdown(result: dict) -> str:
              "Ratios are the median [min, max] over the rounds of the mode's time divided by eager's (or compile's) "
              "in the same round: below 1 is faster. First call: wall time of the first call (compilation and the "
              "fused path's one-time timing included). Peak: memory allocated above the model during one call.", ""]
+    if result.get("partial"):
+        lines += ["**Partial:** the run stopped before it finished; the rows below are what it had measured.", ""]
     for res in result["models"]:
         lines += [f"## {res['model']} ({res['source']}; {res['layers']} layers, {res['dtype']})", ""]
         run = res.get("run")
@@ -595,12 +604,17 @@ def run(args, log=print) -> dict:
     lengths = [int(v) for v in args.graph_lengths.split(",")] if args.graph_lengths else []
     result = dict(meta=meta(torch), device=device, rounds=args.rounds, reps=args.reps, backend=args.backend,
                   models=[])
+
+    def save_partial(model_res: dict) -> None:  # after each row: a run stopped half-way keeps what it measured
+        if args.out is not None:
+            write(dict(result, models=result["models"] + [model_res], partial=True), args.out)
+
     for n in names:
         result["models"].append(run_model(
             n, args.build_dir, parts=parts, modes=modes, rounds=args.rounds, reps=args.reps, device=device,
             tiny=args.tiny, backend=args.backend, new_tokens=args.new_tokens, graph_lengths=lengths,
             graph_backend=args.graph_backend, repo_id=args.repo_id, profile=args.profile,
-            compile_decode=args.compile_decode, log=log))
+            compile_decode=args.compile_decode, log=log, on_row=save_partial))
     if args.out is not None:
         write(result, args.out)
     return result

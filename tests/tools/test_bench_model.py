@@ -42,3 +42,70 @@ def test_every_part_of_a_causal_model(build_dir, tmp_path):
     assert "GeluBackward0" in train["profile"]["eager"]["autograd_nodes"]
     for r in rows:
         assert r["modes"]["kernelized"]["tokens_per_s"] > 0
+
+
+def _compiled_ops(model, kwargs) -> list:
+    """The call targets of the Dynamo graph(s) of ``torch.compile(model.forward)`` on one no-grad call."""
+    import torch
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model.forward, backend=backend, fullgraph=True)(**kwargs)
+    torch._dynamo.reset()
+    return [op for g in graphs for op in g]
+
+
+def test_compiled_graph_is_the_hosts_but_for_the_fused_mlp(build_dir):
+    """Under torch.compile a kernelized model traces to the host's graph op for op, except that each Gemma MLP
+    (GeGLUMLP over plain projections) is one fused-MLP op of ours in place of its projections and GeGLU: the
+    pointwise layers (T5, ModernBERT) and the norms run the host's math there, which Inductor fuses."""
+    import collections
+
+    import torch
+    from kernels import Mode, kernelize
+
+    from kerneltools.bench import model as bm
+    from kerneltools.transformers_kernels import DEFAULT_REPO_ID
+
+    for name in ("t5-v1.1-base", "modernbert-base", "gemma3-4b"):
+        s = bm.build_models(bm.MODELS[name], build_dir, "cpu", torch.float32, True, "aot_eager", DEFAULT_REPO_ID)
+        kernelize(s.models["kernelized"], mode=Mode.INFERENCE | Mode.TORCH_COMPILE, device="cpu")
+        ids = bm._ids(s, 2, 24)
+        kwargs = dict(input_ids=ids)
+        if s.spec.kind == "seq2seq":
+            kwargs["decoder_input_ids"] = torch.zeros(2, 1, dtype=torch.long)
+        host, ours = (collections.Counter(_compiled_ops(s.models[k].eval(), kwargs)) for k in ("eager", "kernelized"))
+        mine = {op: n for op, n in ours.items() if ".geglu" in op}
+        if name != "gemma3-4b":
+            assert ours == host and not mine, (name, ours - host, host - ours)
+            continue
+        mlps = s.models["eager"].config.num_hidden_layers
+        assert list(mine.values()) == [mlps] and next(iter(mine)).endswith("geglu_mlp.default"), mine
+        # each MLP's three projections and its GeGLU (gelu, mul) are what the op replaced
+        assert sum((host - ours).values()) == 5 * mlps and not set(ours - host) - set(mine), (host - ours, ours - host)
+
+
+def test_merge_and_partial_reports(tmp_path):
+    """--merge keeps each run's commit with its model; a partial result (a run stopped half-way) says so."""
+    from kerneltools.bench import model as bm
+
+    meta = dict(card="H200", date="2026-12-01", commit="a1", torch="2.11", triton="3.6", cuda="13.0",
+                transformers="5.22.2", kernels="0.17.2")
+    row = dict(part="prefill", tokens=8, modes={"eager": dict(ms=2.0, tokens_per_s=4000.0, vs_eager=[1.0, 1.0, 1.0],
+                                                               vs_compile=None, first_call_s=0.1, peak_mib=None)})
+    model = dict(model="m1", source="s", kind="causal", dtype="bfloat16", layers=2, rows=[row])
+    for i, commit in enumerate(("a1", "b2")):
+        run = dict(meta=dict(meta, commit=commit), device="cuda", rounds=3 + i, reps=2, backend="inductor",
+                   models=[dict(model, model=f"m{i + 1}")])
+        bm.write(run, tmp_path / commit)
+    merged = bm.merge([tmp_path / "a1" / "model.json", tmp_path / "b2" / "model.json"])
+    assert [(m["model"], m["run"]["meta"]["commit"]) for m in merged["models"]] == [("m1", "a1"), ("m2", "b2")]
+    md = bm.to_markdown(merged)
+    assert "Commit b2, 2026-12-01, 4 rounds of 2 calls." in md and "Commit a1" not in md
+    assert "**Partial:**" in bm.to_markdown(dict(merged, partial=True)) and "**Partial:**" not in md
