@@ -120,6 +120,21 @@ def _seeded_rng(request):
     return seed
 
 
+# Environment variables that change what kernels' loader loads in every later test's subprocesses: a test that sets
+# one in this process (e.g. by building models in-process) must restore it.
+_LOADER_ENV = ("LOCAL_KERNELS", "KERNELS_CACHE", "HF_ENDPOINT", "DISABLE_KERNEL_MAPPING")
+
+
+@pytest.fixture(autouse=True)
+def _loader_env_unchanged():
+    before = {k: os.environ.get(k) for k in _LOADER_ENV}
+    yield
+    after = {k: os.environ.get(k) for k in _LOADER_ENV}
+    changed = {k: (before[k], after[k]) for k in _LOADER_ENV if before[k] != after[k]}
+    assert not changed, (f"this test left the loader's environment changed (before, after): {changed}; restore it "
+                         "(monkeypatch.setenv) or do the work in a subprocess")
+
+
 def pytest_report_header(config):
     return f"random data: GEGLU_TEST_SEED={BASE_SEED} (set it to replay this run's data)"
 

@@ -44,10 +44,16 @@ def test_every_part_of_a_causal_model(build_dir, tmp_path):
         assert r["modes"]["kernelized"]["tokens_per_s"] > 0
 
 
-def _compiled_ops(model, kwargs) -> list:
-    """The call targets of the Dynamo graph(s) of ``torch.compile(model.forward)`` on one no-grad call."""
-    import torch
+_GRAPH_OPS = """
+import collections, json, sys
+from pathlib import Path
+import torch
+from kernels import Mode, kernelize
+from kerneltools.bench import model as bm
+from kerneltools.transformers_kernels import DEFAULT_REPO_ID
 
+
+def compiled_ops(model, kwargs):
     graphs = []
 
     def backend(gm, example_inputs):
@@ -57,35 +63,41 @@ def _compiled_ops(model, kwargs) -> list:
     torch._dynamo.reset()
     with torch.no_grad():
         torch.compile(model.forward, backend=backend, fullgraph=True)(**kwargs)
-    torch._dynamo.reset()
-    return [op for g in graphs for op in g]
+    return collections.Counter(op for g in graphs for op in g)
+
+
+out = {}
+for name in sys.argv[2:]:
+    s = bm.build_models(bm.MODELS[name], Path(sys.argv[1]), "cpu", torch.float32, True, "aot_eager", DEFAULT_REPO_ID)
+    kernelize(s.models["kernelized"], mode=Mode.INFERENCE | Mode.TORCH_COMPILE, device="cpu")
+    kwargs = dict(input_ids=bm._ids(s, 2, 24))
+    if s.spec.kind == "seq2seq":
+        kwargs["decoder_input_ids"] = torch.zeros(2, 1, dtype=torch.long)
+    out[name] = dict(layers=s.models["eager"].config.num_hidden_layers,
+                     **{k: compiled_ops(s.models[k].eval(), kwargs) for k in ("eager", "kernelized")})
+print(json.dumps(out))
+"""
 
 
 def test_compiled_graph_is_the_hosts_but_for_the_fused_mlp(build_dir):
     """Under torch.compile a kernelized model traces to the host's graph op for op, except that each Gemma MLP
     (GeGLUMLP over plain projections) is one fused-MLP op of ours in place of its projections and GeGLU: the
-    pointwise layers (T5, ModernBERT) and the norms run the host's math there, which Inductor fuses."""
+    pointwise layers (T5, ModernBERT) and the norms run the host's math there, which Inductor fuses. (In a fresh
+    process: building the models registers the kernel mapping and points LOCAL_KERNELS at the build.)"""
     import collections
 
-    import torch
-    from kernels import Mode, kernelize
-
-    from kerneltools.bench import model as bm
-    from kerneltools.transformers_kernels import DEFAULT_REPO_ID
-
-    for name in ("t5-v1.1-base", "modernbert-base", "gemma3-4b"):
-        s = bm.build_models(bm.MODELS[name], build_dir, "cpu", torch.float32, True, "aot_eager", DEFAULT_REPO_ID)
-        kernelize(s.models["kernelized"], mode=Mode.INFERENCE | Mode.TORCH_COMPILE, device="cpu")
-        ids = bm._ids(s, 2, 24)
-        kwargs = dict(input_ids=ids)
-        if s.spec.kind == "seq2seq":
-            kwargs["decoder_input_ids"] = torch.zeros(2, 1, dtype=torch.long)
-        host, ours = (collections.Counter(_compiled_ops(s.models[k].eval(), kwargs)) for k in ("eager", "kernelized"))
+    models = ["t5-v1.1-base", "modernbert-base", "gemma3-4b"]
+    proc = subprocess.run([sys.executable, "-c", _GRAPH_OPS, str(build_dir), *models], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.splitlines()[-1])
+    for name in models:
+        host, ours = collections.Counter(res[name]["eager"]), collections.Counter(res[name]["kernelized"])
         mine = {op: n for op, n in ours.items() if ".geglu" in op}
         if name != "gemma3-4b":
             assert ours == host and not mine, (name, ours - host, host - ours)
             continue
-        mlps = s.models["eager"].config.num_hidden_layers
+        mlps = res[name]["layers"]
         assert list(mine.values()) == [mlps] and next(iter(mine)).endswith("geglu_mlp.default"), mine
         # each MLP's three projections and its GeGLU (gelu, mul) are what the op replaced
         assert sum((host - ours).values()) == 5 * mlps and not set(ours - host) - set(mine), (host - ours, ours - host)
