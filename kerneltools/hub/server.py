@@ -483,7 +483,7 @@ class HubProcess:
         env.update(self.env)
         with open(self.log_path, "ab") as log:  # its own process group: stop() can end whatever it left behind
             self._proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL, env=env,
-                                          start_new_session=True)
+                                          process_group=0)
         deadline = time.monotonic() + 30
         while not url_file.exists():
             if self._proc.poll() is not None or time.monotonic() > deadline:
