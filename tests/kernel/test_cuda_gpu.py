@@ -17,7 +17,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -39,32 +38,16 @@ INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat
 
 # --- loading ---------------------------------------------------------------------------------------------------
 
-from kerneltools.cuda_ops import _import_variant  # noqa: E402  (what kernels' loader does, without kernels)
-
+from kerneltools.cuda_ops import load_package  # noqa: E402  (kernels' loader, or the variant imported as it does)
 
 
 @pytest.fixture(scope="module")
 def package():
     """The package of the compiled variant (its ``configure`` sets the launch plan)."""
-    build_dir = Path(os.environ.get("GEGLU_BUILD_DIR", REPO / "build")).resolve()
-    if not build_dir.is_dir():
-        pytest.fail(f"no build at {build_dir}: run `python -m kerneltools build --variant cuda-compiled` first")
     try:
-        import kernels
-    except ImportError:
-        variants = sorted(build_dir.glob("torch-stable-abi*-cu*-linux"))
-        if not variants:
-            pytest.fail(f"no compiled variant in {build_dir}")
-        print(f"\n`kernels` is not installed: importing {variants[-1].name} directly", file=sys.stderr)
-        module = _import_variant(variants[-1])
-    else:
-        module = kernels.get_local_kernel(build_dir, backend="cuda")
-    ops_module = importlib.import_module(module.__name__ + "._ops")
-    assert ops_module.HAS_CUDA_LIB, (
-        f"{build_dir}: the loader chose {Path(module.__file__).parent.name}, not the compiled variant "
-        f"(torch {torch.__version__}, CUDA {torch.version.cuda})"
-    )
-    return module
+        return load_package(os.environ.get("GEGLU_BUILD_DIR", REPO / "build"))
+    except SystemExit as e:  # no build, no compiled variant, or the loader chose another variant
+        pytest.fail(str(e))
 
 
 @pytest.fixture(scope="module")
