@@ -8,7 +8,6 @@ They follow the kernels layer rules: no ``__init__``, no members besides ``forwa
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from . import _experts, _mlp
@@ -32,20 +31,17 @@ def gated(act, gate: torch.Tensor, up: torch.Tensor, inplace_backward: bool = Tr
     return geglu(gate, up, approximate, inplace_backward=inplace_backward)
 
 
-def gated_packed(act, x: torch.Tensor, act_first: bool) -> torch.Tensor:
-    """``act(a) * b`` (``act_first``) or ``a * act(b)`` of ``a, b = x.chunk(2, -1)``, like :func:`gated`."""
+def gated_packed(act, x: torch.Tensor, act_first: bool, inplace_backward: bool = True) -> torch.Tensor:
+    """``act(a) * b`` (``act_first``) or ``a * act(b)`` of ``a, b = x.chunk(2, -1)``, like :func:`gated` (the
+    backward writes its gradient over ``x`` unless ``inplace_backward=False``)."""
     approximate = gelu_approximation(act)
     if approximate is None or _is_compiling():
         a, b = x.chunk(2, dim=-1)
         return act(a) * b if act_first else a * act(b)
-    return geglu_packed(x, approximate, act_first=act_first, inplace_backward=True)
+    return geglu_packed(x, approximate, act_first=act_first, inplace_backward=inplace_backward)
 
 
-def _gelu_and_mul(x: torch.Tensor, approximate: str) -> torch.Tensor:
-    if _is_compiling():  # as in gated_packed: Inductor's own fused pointwise kernel
-        d = x.shape[-1] // 2
-        return F.gelu(x[..., :d], approximate=approximate) * x[..., d:]
-    return geglu_packed(x, approximate)
+_GELU_ERF, _GELU_TANH = nn.GELU(), nn.GELU(approximate="tanh")
 
 
 class GeluAndMul(nn.Module):
@@ -55,7 +51,7 @@ class GeluAndMul(nn.Module):
     has_backward = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _gelu_and_mul(x, "none")
+        return gated_packed(_GELU_ERF, x, act_first=True, inplace_backward=False)
 
 
 class GeluTanhAndMul(nn.Module):
@@ -65,7 +61,7 @@ class GeluTanhAndMul(nn.Module):
     has_backward = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _gelu_and_mul(x, "tanh")
+        return gated_packed(_GELU_TANH, x, act_first=True, inplace_backward=False)
 
 
 _PLAIN = (torch.Tensor, nn.Parameter)
