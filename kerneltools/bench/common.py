@@ -19,6 +19,23 @@ def median_us(fn, rep_ms=200) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median") * 1e3
 
 
+def wall_us(fn, calls: int = 5) -> float:
+    """Median wall-clock µs of ``calls`` calls after one untimed call (the benchmarks' CPU runs: a smoke test, not a
+    measurement)."""
+    fn()
+    samples = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e6)
+    return median(samples)
+
+
+def timer(cuda: bool, rep_ms: int = 100):
+    """The benchmarks' timer: ``median_us`` (do_bench, L2 flushed) on CUDA, ``wall_us`` on CPU."""
+    return (lambda fn: median_us(fn, rep_ms)) if cuda else wall_us
+
+
 def per_call_us(fn, n: int = 2000) -> float:
     """Wall time per call of back-to-back calls, launch and Python overhead included (what decode sees)."""
     import torch

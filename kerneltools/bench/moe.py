@@ -30,9 +30,10 @@ import datetime as _dt
 import json
 import platform
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from .common import median, timer
 
 
 @dataclass(frozen=True)
@@ -49,29 +50,6 @@ QUICK = MoEShape(64, 8, 2, 64, "tiny CPU smoke shape")
 TOKENS = [("prefill 8x2048", 8 * 2048), ("decode batch 1", 1), ("decode batch 8", 8)]
 QUICK_TOKENS = [("prefill 2x16", 32), ("decode batch 1", 1), ("decode batch 8", 8)]
 IMPLS = ("eager", "torch.compile", "ours")
-
-
-def _timer(device: str, rep_ms: int):
-    if device == "cuda":
-        import triton
-
-        return lambda fn: triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median") * 1e3
-
-    def cpu_us(fn, calls: int = 5):
-        fn()
-        samples = []
-        for _ in range(calls):
-            t0 = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - t0) * 1e6)
-        return _median(samples)
-
-    return cpu_us
-
-
-def _median(values: list) -> float:
-    values = sorted(values)
-    return values[len(values) // 2]
 
 
 def copy_floor_gbs(torch, device: str, time_us) -> float:
@@ -159,7 +137,7 @@ def run(build_dir: Path, *, quick: bool = False, rounds: int = 3, device: str | 
     kernel = kernels.get_local_kernel(kernel_dir)
     shape, token_counts = (QUICK, QUICK_TOKENS) if quick else (GEMMA4_26B_A4B, TOKENS)
     dtype = torch.bfloat16
-    time_us = _timer(device, rep_ms=100)
+    time_us = timer(device == "cuda", rep_ms=100)
     floor = copy_floor_gbs(torch, device, time_us)
     log(f"copy floor {floor:.0f} GB/s on {device}")
 
@@ -206,9 +184,9 @@ def run(build_dir: Path, *, quick: bool = False, rounds: int = 3, device: str | 
                         times[name].append(t)
                         ratios[name].append(t / got["eager"])
                 for name in impls:
-                    t = _median(times[name])
+                    t = median(times[name])
                     row = dict(tokens=tokens, label=label, rows=S, step=step, impl=name, us=round(t, 2),
-                               vs_eager=round(_median(ratios[name]), 3),
+                               vs_eager=round(median(ratios[name]), 3),
                                equal=bool(torch.equal(outs[name], ref)),
                                max_abs=float((outs[name].float() - ref.float()).abs().max()))
                     if name == "ours":

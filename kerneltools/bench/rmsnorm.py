@@ -18,10 +18,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
+
+from .common import copy_floor_tbs, per_call_us, timer, wall_us
 
 # (rows, D): Gemma 3 4B prefill 8x2048 (hidden 2560), its q_norm/k_norm rows (8x2048 tokens x 8 heads of 256),
 # Gemma 2/3 27B width, a wide row, decode.
@@ -37,40 +37,12 @@ def host(x, w, eps=EPS):
     return (xf * (xf.pow(2).mean(-1, keepdim=True) + eps).rsqrt() * (1.0 + w.float())).type_as(x)
 
 
-def _timer(cuda: bool):
-    if cuda:
-        import triton
-
-        return lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
-
-    def wall_us(fn, n=5):
-        fn()
-        times = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e6)
-        return statistics.median(times)
-
-    return wall_us
-
-
-def _per_call_us(fn, cuda: bool) -> float:
-    if cuda:
-        from .bench import per_call_us
-
-        return per_call_us(fn)
-    return _timer(False)(fn)
-
-
 def _copy_floor_tbs(torch, cuda: bool) -> float:
     if cuda:
-        from .bench import copy_floor_tbs
-
         return copy_floor_tbs(torch)
     src = torch.randn(1 << 22)
     dst = torch.empty_like(src)
-    t = _timer(False)(lambda: dst.copy_(src))
+    t = wall_us(lambda: dst.copy_(src))
     return 2 * src.numel() * 4 / (t * 1e-6) / 1e12
 
 
@@ -84,7 +56,7 @@ def run(build_dir: Path, quick: bool, dtypes: list[str], sweep: bool, log=print)
     tri = importlib.import_module(geglu.__name__ + "._rmsnorm_triton")
     if not cuda:
         geglu.set_backend("triton" if tri.INTERPRET else "auto")
-    timer = _timer(cuda)
+    time_us = timer(cuda)
     floor = _copy_floor_tbs(torch, cuda)
     log(f"copy floor: {floor:.3f} TB/s on {torch.cuda.get_device_name() if cuda else 'cpu'}")
     torch._dynamo.config.cache_size_limit = 64
@@ -109,12 +81,12 @@ def run(build_dir: Path, quick: bool, dtypes: list[str], sweep: bool, log=print)
             for name, (fwd, bwd) in impls.items():
                 if M == 1:  # decode: the host's cost per call, back to back
                     with torch.no_grad():
-                        us = _per_call_us(fwd, cuda)
+                        us = per_call_us(fwd) if cuda else wall_us(fwd)
                     rows.append(dict(dtype=dname, M=M, D=D, impl=name, pass_="fwd per call", us=round(us, 2)))
                     continue
                 with torch.no_grad():
-                    t_f = timer(fwd)
-                t_b = timer(bwd)
+                    t_f = time_us(fwd)
+                t_b = time_us(bwd)
                 for pas, t, passes in (("fwd", t_f, 2), ("bwd", t_b, 3)):
                     tbs = passes * nbytes / (t * 1e-6) / 1e12
                     rows.append(dict(dtype=dname, M=M, D=D, impl=name, pass_=pas, us=round(t, 2), tbs=round(tbs, 3),
@@ -127,7 +99,7 @@ def run(build_dir: Path, quick: bool, dtypes: list[str], sweep: bool, log=print)
             log(f"{dname} {M}x{D}: " + ", ".join(f"{r['impl']} {r['pass_']} {r['us']}us"
                                                  + (f" {r['pct_floor']}%" if "pct_floor" in r else "")
                                                  for r in rows if (r["dtype"], r["M"], r["D"]) == (dname, M, D)))
-    sweeps = _sweep(torch, tri, timer, floor, shapes[0], dtypes[0], device) if sweep else []
+    sweeps = _sweep(torch, tri, time_us, floor, shapes[0], dtypes[0], device) if sweep else []
     geglu.set_backend("auto")
     from .common import meta as _meta
 
@@ -135,7 +107,7 @@ def run(build_dir: Path, quick: bool, dtypes: list[str], sweep: bool, log=print)
     return dict(meta=dict(meta, copy_floor_tbs=round(floor, 3), variant=geglu.__name__), rows=rows, sweep=sweeps)
 
 
-def _sweep(torch, tri, timer, floor, shape, dname, device) -> list:
+def _sweep(torch, tri, time_us, floor, shape, dname, device) -> list:
     """Forward (block_m, num_warps) and backward (block_m, num_warps, programs) tiles at one shape."""
     M, D = shape
     dtype = getattr(torch, dname)
@@ -148,13 +120,13 @@ def _sweep(torch, tri, timer, floor, shape, dname, device) -> list:
     nbytes = M * D * x.element_size()
     out = []
     for tiles in [None, (1, 4), (1, 8), (1, 16), (2, 8), (2, 16), (4, 16)]:
-        t = timer(lambda: tri.forward(x, w, eps, 1.0, False, tiles=tiles))
+        t = time_us(lambda: tri.forward(x, w, eps, 1.0, False, tiles=tiles))
         plan = tri.fwd_plan(M, D, x.device, tiles)
         out.append(dict(pass_="fwd", tiles=str(tiles or (plan[1], plan[3])), us=round(t, 2),
                         pct_floor=round(100 * 2 * nbytes / (t * 1e-6) / 1e12 / floor, 1)))
     for tiles in [None, (1, 8, 4 * sms), (1, 16, 2 * sms), (1, 16, 4 * sms), (1, 32, sms), (1, 32, 2 * sms),
                   (2, 16, 2 * sms)]:
-        t = timer(lambda: tri.backward(dy, x, w, rstd, eps, 1.0, True, tiles=tiles))
+        t = time_us(lambda: tri.backward(dy, x, w, rstd, eps, 1.0, True, tiles=tiles))
         plan = tri.bwd_plan(M, D, x.device, tiles)
         out.append(dict(pass_="bwd", tiles=str(tiles or (plan[1], plan[3], plan[0][0])), us=round(t, 2),
                         pct_floor=round(100 * 3 * nbytes / (t * 1e-6) / 1e12 / floor, 1)))
