@@ -22,19 +22,26 @@ def _env():
                 TRANSFORMERS_VERBOSITY="error")
 
 
+def _bench(build_dir, tmp_path, launcher: list, *args):
+    """Run the benchmark (through ``launcher``: the interpreter, or torchrun) with a tiny config; (its report, the
+    finished process)."""
+    out = tmp_path / "report.json"
+    cmd = [*launcher, "-m", "kerneltools.bench.distributed", "--tiny", "--build-dir", str(build_dir), "--rounds", "1",
+           *args, "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return json.loads(out.read_text()), proc
+
+
 def _check_phase(res: dict) -> None:
     assert set(res["ms"]) == {"eager", "kernelized"} and all(v > 0 for v in res["ms"].values())
     assert len(res["round_ratios"]) == 1 and res["ratio_eager_over_kernelized"] > 0
 
 
 def test_two_ranks_tp_and_fsdp(build_dir, tmp_path):
-    out = tmp_path / "report.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "kerneltools.bench.distributed", "--device", "cpu", "--tiny", "--build-dir", str(build_dir),
-           "--rounds", "1", "--warmup", "0", "--decode-steps", "2", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    report = json.loads(out.read_text())
+    report, proc = _bench(build_dir, tmp_path, [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                "--nproc-per-node", "2"],
+                          "--device", "cpu", "--warmup", "0", "--decode-steps", "2")
     assert report["world_size"] == 2 and report["tp"] == "transformers tp_plan='auto'"
     assert set(report["phases"]) == {"prefill", "decode", "train"}
     for res in report["phases"].values():
@@ -50,12 +57,7 @@ def test_two_ranks_tp_and_fsdp(build_dir, tmp_path):
 
 
 def test_one_process_mesh(build_dir, tmp_path):
-    out = tmp_path / "report.json"
-    cmd = [sys.executable, "-m", "kerneltools.bench.distributed", "--device", "cpu", "--tiny", "--build-dir",
-           str(build_dir), "--rounds", "1", "--warmup", "0", "--phases", "prefill", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    report = json.loads(out.read_text())
+    report, _ = _bench(build_dir, tmp_path, [sys.executable], "--device", "cpu", "--warmup", "0", "--phases", "prefill")
     assert report["world_size"] == 1 and report["tp"] == "parallelize_module on a 1-process mesh"
     assert set(report["phases"]) == {"prefill"}
     _check_phase(report["phases"]["prefill"])
@@ -66,12 +68,8 @@ def test_one_process_mesh(build_dir, tmp_path):
 def test_one_gpu_mesh_runs_our_kernels(build_dir, tmp_path):
     """On one GPU (a 1-process mesh, parallelize_module): the profiled prefill and decode launched our kernels
     (names with "geglu", on the GPU) on the kernel's inputs."""
-    out = tmp_path / "report.json"
-    cmd = [sys.executable, "-m", "kerneltools.bench.distributed", "--device", "cuda", "--tiny", "--build-dir",
-           str(build_dir), "--rounds", "1", "--warmup", "1", "--phases", "prefill,decode", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    report = json.loads(out.read_text())
+    report, _ = _bench(build_dir, tmp_path, [sys.executable], "--device", "cuda", "--warmup", "1",
+                       "--phases", "prefill,decode")
     for phase in ("prefill", "decode"):
         events = report["phases"][phase]["profile"]["geglu_events"]
         assert any(e["device_time_us"] > 0 for e in events.values()), (phase, events)
