@@ -24,15 +24,11 @@ from typing import Tuple
 
 import torch
 from torch import Tensor
-from torch.nn import Parameter
 
 from . import _backend
 from ._checks import SUPPORTED_DTYPES
 from ._ops import add_op_namespace_prefix
 
-_is_compiling = torch.compiler.is_compiling
-_is_tracing = torch._C._is_tracing
-_functorch_active = torch._C._are_functorch_transforms_active
 _grad_enabled = torch.is_grad_enabled
 _OK_DTYPES = frozenset(SUPPORTED_DTYPES)
 
@@ -255,9 +251,9 @@ _eager_apply = super(torch.autograd.Function, EagerRMSNorm).apply
 
 
 def _plain_eager(x, weight) -> bool:
-    """A plain eager call: plain tensors (a Parameter is one), no graph capture, tracing or functorch transform."""
-    return (type(x) is Tensor and (type(weight) is Tensor or type(weight) is Parameter) and not _is_compiling()
-            and not _is_tracing() and not _functorch_active())
+    """A plain eager call (``_backend.call_mode``: plain tensors, a Parameter is one; no compile, tracing or
+    functorch transform)."""
+    return _backend.call_mode(x, weight) != _backend.OP
 
 
 def _run(x: Tensor, weight: Tensor, eps: float, offset: float) -> Tensor:
@@ -279,10 +275,9 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, offset: float = 1.0) 
     dtype; deterministic).
     """
     eps, offset = _as_float(eps, "eps"), _as_float(offset, "offset")
-    if _plain_eager(x, weight):
-        check_rms_norm(x, weight)
-        return _run(x, weight, eps, offset)
     check_rms_norm(x, weight)
+    if _plain_eager(x, weight):
+        return _run(x, weight, eps, offset)
     return rms_norm_op(x, weight, eps, offset)
 
 
