@@ -117,6 +117,36 @@ def _packed_calls(kernel, fn) -> int:
     return n[0]
 
 
+def _sorted_rows(torch, x, index, experts: int):
+    """The rows of ``x`` per routed (token, expert) pair sorted by expert, and the cumulative row counts per expert:
+    what transformers' grouped_mm experts implementation hands its first grouped GEMM."""
+    expert_ids, perm = torch.sort(index.reshape(-1))
+    ids = expert_ids.int() if x.is_cuda else expert_ids.float()
+    counts = torch.histc(ids, bins=experts, min=0, max=experts - 1)
+    return x[perm // index.shape[-1]], torch.cumsum(counts, dim=0, dtype=torch.int32)
+
+
+def _grouped_mm(torch, x, w, offsets):
+    fn = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
+    return fn(x, w, offs=offsets)
+
+
+def _fused_gate_up(kernel):
+    """The kernel's fused gate/up grouped GEMM module (``_experts_triton``), or None without Triton."""
+    import importlib
+
+    try:
+        return importlib.import_module(kernel.__name__ + "._experts_triton")
+    except ImportError:
+        return None
+
+
+def _unfused(kernel, fn):
+    """``fn()`` with the kernel's ``fused_mlp`` setting off (the experts block's gate only)."""
+    with kernel.configure(fused_mlp=False):
+        return fn()
+
+
 def _forward_name(fn) -> str:
     return getattr(fn, "__func__", fn).__qualname__
 
@@ -157,47 +187,62 @@ def run(build_dir: Path, *, quick: bool = False, rounds: int = 3, device: str | 
     if compile_backend:  # one compile per token count (static shapes, as a served model's are)
         compiled_gate = torch.compile(eager_gate, backend=compile_backend, fullgraph=True, dynamic=False)
         compiled_block = torch.compile(host, backend=compile_backend, fullgraph=True, dynamic=False)
+    fused_kernel = _fused_gate_up(kernel)
     gen = torch.Generator(device=device).manual_seed(0)
     rows = []
     for label, tokens in token_counts:
         S, I = tokens * shape.top_k, shape.intermediate
         x, index, weights = _routing(torch, shape, tokens, device, dtype, gen)
         gate_up = torch.randn(S, 2 * I, generator=gen, device=device).to(dtype)
+        x_g, offsets = _sorted_rows(torch, x, index, shape.experts)
+        w_t = host.gate_up_proj.transpose(-2, -1)
         steps = {"gate": {"eager": lambda: eager_gate(gate_up), "ours": lambda: gate_layer(act, gate_up)},
-                 "block": {"eager": lambda: host(x, index, weights), "ours": lambda: ours(x, index, weights)}}
+                 "gate_up": {"eager": lambda: eager_gate(_grouped_mm(torch, x_g, w_t, offsets)),
+                             "grouped_mm alone": lambda: _grouped_mm(torch, x_g, w_t, offsets)},
+                 "block": {"eager": lambda: host(x, index, weights), "ours": lambda: ours(x, index, weights),
+                           "ours, fused_mlp off": lambda: _unfused(kernel, lambda: ours(x, index, weights))}}
+        if fused_kernel is not None and fused_kernel.applies(x_g, host.gate_up_proj):  # sm_90+ or the interpreter
+            steps["gate_up"]["ours"] = lambda: fused_kernel.grouped_gate_up_geglu(x_g, host.gate_up_proj, offsets,
+                                                                                 True)
         if compile_backend:
             steps["gate"]["torch.compile"] = lambda: compiled_gate(gate_up)
             steps["block"]["torch.compile"] = lambda: compiled_block(x, index, weights)
         with torch.no_grad():
             for step, fns in steps.items():
+                names = [n for n in impls if n in fns] + [n for n in fns if n not in impls]
                 ref = fns["eager"]()
-                outs = {name: fn() for name, fn in fns.items()}  # also compiles, before any timing
-                packed = _packed_calls(kernel, fns["ours"])  # once per call: the gate ran our kernel
+                outs = {name: fn() for name, fn in fns.items()}  # also compiles (and decides), before any timing
+                packed = {n: _packed_calls(kernel, fn) for n, fn in fns.items() if n.startswith("ours")}
                 times = {name: [] for name in fns}
                 ratios = {name: [] for name in fns}
                 for r in range(rounds):
-                    order = list(impls[r % len(impls):] + impls[:r % len(impls)])
+                    order = names[r % len(names):] + names[:r % len(names)]
                     if r % 2:
                         order.reverse()
                     got = {name: time_us(fns[name]) for name in order}
                     for name, t in got.items():
                         times[name].append(t)
                         ratios[name].append(t / got["eager"])
-                for name in impls:
+                for name in names:
                     t = median(times[name])
+                    same_shape = outs[name].shape == ref.shape
                     row = dict(tokens=tokens, label=label, rows=S, step=step, impl=name, us=round(t, 2),
                                vs_eager=round(median(ratios[name]), 3),
-                               equal=bool(torch.equal(outs[name], ref)),
-                               max_abs=float((outs[name].float() - ref.float()).abs().max()))
-                    if name == "ours":
-                        row["packed_calls"] = packed
+                               equal=bool(same_shape and torch.equal(outs[name], ref)),
+                               max_abs=float((outs[name].float() - ref.float()).abs().max()) if same_shape else None)
+                    if name in packed and step != "gate_up":
+                        row["packed_calls"] = packed[name]
                     if step == "gate":
                         moved = (S * 2 * I + S * I) * x.element_size()
                         gbs = moved / (t * 1e-6) / 1e9
                         row["gbs"], row["pct_floor"] = gbs, 100 * gbs / floor  # rounded in the markdown
+                    if step == "gate_up":  # the rate of transformers' grouped GEMM alone, as a percentage
+                        row["pct_grouped_mm"] = 100 * median(times["grouped_mm alone"]) / t
                     rows.append(row)
                     log(f"{label} {step} {name}: {t:.1f} us ({row['vs_eager']:.3f}x eager"
-                        + (f", {row['pct_floor']:.1f}% of floor" if step == "gate" else "") + f"), equal={row['equal']}")
+                        + (f", {row['pct_floor']:.1f}% of floor" if step == "gate" else "")
+                        + (f", {row['pct_grouped_mm']:.1f}% of grouped_mm's rate" if step == "gate_up" else "")
+                        + f"), equal={row['equal']}")
     result = dict(meta=_meta(torch, device, floor, shape, rounds, compile_backend), checks=checks, rows=rows)
     return result, to_markdown(result)
 
@@ -227,13 +272,18 @@ def to_markdown(result: dict) -> str:
              f"in the same run; medians over {m['rounds']} interleaved rounds; torch.compile backend "
              f"{m['compile_backend'] or '(not run)'}. gate: transformers' _apply_gate on [S, 2I] -> [S, I] (% of the copy floor: "
              "read 2I, write I per row); block: the whole experts forward. '/ eager': median of the per-round "
-             "ratios; 'equal': output bit-identical to eager's.", "",
-             "| tokens | rows S | step | impl | µs | / eager | % of copy floor | equal |",
-             "|---|---|---|---|---|---|---|---|"]
+             "ratios; 'equal': output bit-identical to eager's. gate_up: the first grouped GEMM and the gate, "
+             "[S, D] -> [S, I]: eager is torch's grouped GEMM then transformers' gate, ours the fused kernel (the "
+             "GeGLU in the grouped GEMM's epilogue); '% of grouped_mm' is the grouped GEMM alone's time over the "
+             "row's (its share of that GEMM's rate).", "",
+             "| tokens | rows S | step | impl | µs | / eager | % of copy floor | % of grouped_mm | equal |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         pct = f"{r['pct_floor']:.1f}" if "pct_floor" in r else "—"
+        gmm = f"{r['pct_grouped_mm']:.1f}" if "pct_grouped_mm" in r else "—"
+        equal = "—" if r["max_abs"] is None else ("yes" if r["equal"] else "no")
         lines.append(f"| {r['label']} | {r['rows']} | {r['step']} | {r['impl']} | {r['us']} | {r['vs_eager']} | "
-                     f"{pct} | {'yes' if r['equal'] else 'no'} |")
+                     f"{pct} | {gmm} | {equal} |")
     return "\n".join(lines) + "\n"
 
 

@@ -26,23 +26,35 @@ def test_bench_moe_quick_on_cpu(build_dir, tmp_path):
     assert res["checks"]["gate_forward"] == "GeGLUExpertsGate.forward"
     shape = res["meta"]["shape"]
     rows = res["rows"]
-    assert {(r["tokens"], r["step"], r["impl"]) for r in rows} == {
-        (t, step, impl) for t in (32, 1, 8) for step in ("gate", "block") for impl in ("eager", "torch.compile", "ours")}
-    assert len(rows) == 18
+    # On CPU the fused gate/up grouped GEMM runs under the Triton interpreter (the tests set TRITON_INTERPRET=1)
+    expected = {(t, step, impl) for t in (32, 1, 8) for step, impls in (
+        ("gate", ("eager", "torch.compile", "ours")),
+        ("gate_up", ("eager", "grouped_mm alone", "ours")),
+        ("block", ("eager", "torch.compile", "ours", "ours, fused_mlp off"))) for impl in impls}
+    assert {(r["tokens"], r["step"], r["impl"]) for r in rows} == expected and len(rows) == len(expected) == 30
     for row in rows:
         where = f"{row['label']} {row['step']} {row['impl']}"
         assert row["rows"] == row["tokens"] * shape["top_k"] and row["us"] > 0, where
-        assert row["equal"], f"{where}: max|d| {row['max_abs']} against eager"
         if row["impl"] == "eager":
             assert row["vs_eager"] == 1.0, where
-        if row["impl"] == "ours":
+        if row["step"] == "gate_up":  # the grouped GEMM alone has the [S, 2I] output: nothing to compare
+            assert row["pct_grouped_mm"] > 0, where
+            if row["impl"] == "grouped_mm alone":
+                assert row["max_abs"] is None and row["pct_grouped_mm"] == 100.0, where
+            elif row["impl"] == "ours":  # the fused epilogue is not eager's bits; within a unit of bf16 here
+                assert row["max_abs"] is not None and row["max_abs"] < 0.05, where
+            continue
+        # below FUSED_MIN_ROWS routed rows the block's gate is the packed kernel: bit-exact on CPU
+        assert row["equal"], f"{where}: max|d| {row['max_abs']} against eager"
+        if row["impl"].startswith("ours"):
             assert row["packed_calls"] == 1, where  # grouped_mm: one gate per experts call
         if row["step"] == "gate":  # % of the copy floor: the gate's GB/s over the copy's (both rounded)
             assert row["gbs"] > 0, where
             pct = 100 * row["gbs"] / res["meta"]["copy_floor_gbs"]
             assert row["pct_floor"] == pytest.approx(pct, rel=1e-9), where
     md = (tmp_path / "moe.md").read_text()
-    assert md.count("\n| ") == 1 + 18 and "| prefill 2x16 | 64 | gate | ours |" in md
+    assert md.count("\n| ") == 1 + len(expected) and "| prefill 2x16 | 64 | gate | ours |" in md
+    assert "| prefill 2x16 | 64 | gate_up | grouped_mm alone | " in md
 
 
 def test_bench_moe_refuses_full_shapes_on_cpu_and_bad_rounds(tmp_path):

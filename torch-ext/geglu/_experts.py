@@ -43,3 +43,93 @@ def eager_forward(experts, gate: Callable, hidden_states: torch.Tensor, top_k_in
         h = h * top_k_weights[token, slot, None]
         out.index_add_(0, token, h.to(out.dtype))
     return out
+
+
+# --- grouped_mm inference with the fused gate/up kernel ----------------------------------------------------------
+
+# Routed rows (tokens x top-k) below which the fused path is never tried: at decode sizes most experts get a row
+# or none, a tile is mostly empty and the block is bound by reading the experts' weights, which both paths do once.
+FUSED_MIN_ROWS = 4096
+# (rows bucket, experts, D, I, dtype, device) -> whether the fused block was measured faster; and its two medians
+_DECISIONS: dict = {}
+DECISION_TIMES: dict = {}
+
+
+def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """transformers' grouped GEMM call: ``x @ w[e]`` over each expert's rows."""
+    fn = getattr(F, "grouped_mm", None)
+    return fn(x, w, offs=offsets) if fn is not None else torch._grouped_mm(x, w, offs=offsets)
+
+
+def _plain_grouped(experts) -> bool:
+    """An experts module whose grouped_mm implementation is the plain one the fused block reproduces: concatenated
+    gate/up weights ([E, 2I, D], gate rows first), not transposed, no biases, no post-expert norm, not sharded
+    over experts (expert parallelism's sentinel rows), the default gate."""
+    return (getattr(experts, "has_gate", False) and getattr(experts, "is_concatenated", True)
+            and not getattr(experts, "is_transposed", True) and not getattr(experts, "has_bias", True)
+            and not getattr(experts, "has_post_expert_norm", True) and not getattr(experts, "_is_expert_parallel", True)
+            and type(experts.gate_up_proj) is torch.nn.Parameter and type(experts.down_proj) is torch.nn.Parameter)
+
+
+def _fused_block(experts, hidden_states, top_k_index, top_k_weights, tanh: bool) -> torch.Tensor:
+    """transformers' grouped_mm experts forward, op for op, with the first grouped GEMM and the gate as one kernel
+    (`_experts_triton.grouped_gate_up_geglu`)."""
+    from . import _experts_triton
+
+    num_top_k = top_k_index.size(-1)
+    num_tokens, hidden_dim = hidden_states.shape
+    sample_weights = top_k_weights.reshape(-1)
+    expert_ids_g, perm = torch.sort(top_k_index.reshape(-1))
+    x_g = hidden_states[perm // num_top_k]
+    weights_g = sample_weights[perm]
+    ids = expert_ids_g.int() if x_g.is_cuda else expert_ids_g.float()
+    counts = torch.histc(ids, bins=experts.num_experts, min=0, max=experts.num_experts - 1)
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    h = _experts_triton.grouped_gate_up_geglu(x_g, experts.gate_up_proj, offsets, tanh)
+    out = _grouped_mm(h, experts.down_proj.transpose(-2, -1), offsets)
+    weighted = out * weights_g.unsqueeze(-1)
+    inv_perm = torch.empty_like(perm)
+    inv_perm[perm] = torch.arange(perm.size(0), device=perm.device)
+    return weighted[inv_perm].view(num_tokens, num_top_k, hidden_dim).sum(dim=1).to(hidden_states.dtype)
+
+
+def fused_forward(experts, hidden_states, top_k_index, top_k_weights, approximate):
+    """The experts block with the fused gate/up kernel, or None where it does not apply: the grouped_mm
+    implementation, inference (no gradient), the ``fused_mlp`` setting on, at least ``FUSED_MIN_ROWS`` routed rows,
+    operands the kernel takes, and a one-time timing per shape bucket on the device that measured the fused block
+    at least 1 % faster than transformers' (`_mlp.fused_is_faster`, the dense fused MLP's rule). Not eager's bits:
+    the GeGLU of the fp32 accumulators, rounded once."""
+    from . import _config, _mlp
+
+    if approximate is None or not _config.current.fused_mlp or hidden_states.dim() != 2:
+        return None
+    rows = top_k_index.numel()
+    if rows < FUSED_MIN_ROWS or getattr(getattr(experts, "config", None), "_experts_implementation", None) != "grouped_mm":
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (hidden_states, top_k_weights, experts.gate_up_proj,
+                                                                   experts.down_proj)):
+        return None
+    dev = hidden_states.device
+    if dev.type != "cuda" and (dev.type != "cpu" or _config.current.backend != "triton"):
+        return None
+    if not _plain_grouped(experts) or experts.down_proj.dtype != hidden_states.dtype:
+        return None
+    try:
+        from . import _experts_triton
+    except ImportError:  # no triton
+        return None
+    if not _experts_triton.applies(hidden_states, experts.gate_up_proj):
+        return None
+    tanh = approximate == "tanh"
+    E, I2, D = experts.gate_up_proj.shape
+    key = (1 << (rows - 1).bit_length(), E, D, I2 // 2, hidden_states.dtype, dev)
+    use = _DECISIONS.get(key)
+    if use is None:
+        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None  # nothing can be timed during graph capture: transformers' block
+        timing: dict = {}
+        use = _DECISIONS[key] = _mlp.fused_is_faster(
+            lambda: _fused_block(experts, hidden_states, top_k_index, top_k_weights, tanh),
+            lambda: type(experts).forward(experts, hidden_states, top_k_index, top_k_weights), dev, record=timing)
+        DECISION_TIMES[key] = timing
+    return _fused_block(experts, hidden_states, top_k_index, top_k_weights, tanh) if use else None

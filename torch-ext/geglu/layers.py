@@ -291,7 +291,9 @@ class GeGLUExperts(nn.Module):
     and keeps transformers' dispatch: with ``config._experts_implementation`` "eager" (or unset) it runs the eager
     per-expert loop with the packed kernel as the gate (the host inlines ``act_fn(gate) * up`` there, out of reach
     of ``_apply_gate``); with any other implementation it calls the class's own forward, which dispatches to the
-    configured one (whose gate is :class:`GeGLUExpertsGate`)."""
+    configured one (whose gate is :class:`GeGLUExpertsGate`). In inference at prefill sizes under the ``fused_mlp``
+    setting, grouped_mm's block takes the fused gate/up grouped GEMM (the GeGLU in its epilogue) where a one-time
+    timing per shape says it is faster (``_experts.fused_forward``)."""
 
     can_torch_compile = True
     has_backward = True
@@ -306,6 +308,11 @@ class GeGLUExperts(nn.Module):
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         if _experts.runs_eager(self):
             return _experts.eager_forward(self, _experts_gate, hidden_states, top_k_index, top_k_weights)
+        if not _is_compiling():
+            y = _experts.fused_forward(self, hidden_states, top_k_index, top_k_weights,
+                                       gelu_approximation(self.act_fn))
+            if y is not None:
+                return y
         return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
 
 

@@ -1,0 +1,143 @@
+"""Triton kernel of the MoE experts' gate/up grouped GEMM with the GeGLU in its epilogue:
+
+    h[r, :] = gelu(x[r] @ Wg_e^T) * (x[r] @ Wu_e^T)      for the rows r of expert e
+
+where the rows of ``x`` [S, D] are sorted by expert and ``offsets`` [E] (int32) holds each expert's cumulative row
+count, as transformers' grouped_mm experts implementation lays them out for ``torch._grouped_mm``. The weights are
+the experts' ``gate_up_proj`` [E, 2I, D] (gate rows first: Gemma 4's layout), read in place. It replaces the first
+grouped GEMM's ``[S, 2I]`` output and the gate's pass over it (write and read 2I, write I per row) by a write of
+``[S, I]``.
+
+The tile is the dense fused kernel's paired one (`_fused_mlp_triton._paired_tile`): per K step one TMA box
+``[1, 2, BLOCK_N, BLOCK_K]`` of the 4-D view ``[E, 2, I, D]`` loads the expert's gate and up tiles into one
+``[2 * BLOCK_N, BLOCK_K]`` operand (one N = 2 * BLOCK_N dot), and the epilogue is the fast one (the GeGLU of the
+fp32 accumulators, rounded once): more accurate than ``round(gelu(round(g))) * round(u)``, not its bits. A tile's
+rows may run past its expert's last row into the next expert's (the TMA load reads them; they are computed and
+not stored): the output is written with a row mask.
+
+Tiles are listed on the device without a host synchronisation (`schedule`): expert e has
+``ceil(rows_e / BLOCK_M) * ceil(I / BLOCK_N)`` tiles, visited expert by expert and, within one, down each column of
+tiles (consecutive programs share the weight tile in L2). A persistent grid (one program per SM) walks the tile
+list up to its on-device length.
+"""
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._fused_mlp_triton import (INTERPRETER, Config, TensorDescriptor, _aligned, _geglu_epilogue, _halves,
+                                _nullcontext, _sm_count, tma_supported)
+from ._triton import INTERPRET, K_ALPHA, K_BETA_TANH, K_KAPPA
+
+
+@triton.jit
+def _grouped_geglu_kernel(x_desc, w_desc, out_ptr, tile_expert_ptr, tiles_end_ptr, m_tiles_ptr, offsets_ptr,
+                          E, N, stride_o, K,
+                          TANH: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, FLATTEN: tl.constexpr, FAST_EPI: tl.constexpr,
+                          K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr):
+    total = tl.load(tiles_end_ptr + E - 1)
+    cols = tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
+    for t in tl.range(tl.program_id(0), total, tl.num_programs(0), flatten=FLATTEN):
+        e = tl.load(tile_expert_ptr + t)
+        first = tl.load(tiles_end_ptr + e - 1, mask=e > 0, other=0)
+        row_start = tl.load(offsets_ptr + e - 1, mask=e > 0, other=0)
+        row_end = tl.load(offsets_ptr + e)
+        m_tiles = tl.load(m_tiles_ptr + e)
+        local = t - first
+        off_m = row_start + (local % m_tiles) * BLOCK_M
+        off_n = (local // m_tiles) * BLOCK_N
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            a = x_desc.load([off_m, k * BLOCK_K])
+            b = tl.reshape(w_desc.load([e, 0, off_n, k * BLOCK_K]), (2 * BLOCK_N, BLOCK_K))
+            if DOT_F32:  # interpreter: exact products of the bf16/fp16 values, fp32 accumulation
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32).T, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b.T, acc)
+        acc_g, acc_u = _halves(acc, BLOCK_M, 2 * BLOCK_N)
+        y, _, _ = _geglu_epilogue(acc_g, acc_u, x_desc.dtype, TANH, 0, FAST_EPI, K_BETA_TANH, K_KAPPA, K_ALPHA)
+        r = off_m + rows
+        c = off_n + cols
+        mask = (r < row_end)[:, None] & (c < N)[None, :]
+        tl.store(out_ptr + r.to(tl.int64)[:, None] * stride_o + c[None, :], y, mask=mask)
+
+
+# The dense paired kernel's large tile (flattened persistent loop, fast epilogue); I = 704 (Gemma 4 26B-A4B) is
+# 5.5 tiles of 128 columns, so BLOCK_N = 64 (11 tiles, none half empty) is the other candidate.
+LARGE = Config(128, 128, 64, 1, 8, 3, persistent=True, flatten=True, fast_epi=True, pair=True)
+NARROW = LARGE._replace(block_n=64, num_stages=4)
+INTERPRETER_CFG = INTERPRETER._replace(fast_epi=True, pair=True)
+
+
+def default_config(I: int) -> Config:
+    if INTERPRET:
+        return INTERPRETER_CFG
+    return NARROW if I % 128 and I % 128 <= 64 else LARGE
+
+
+def applies(x: torch.Tensor, gate_up_proj: torch.Tensor) -> bool:
+    """Whether the kernel takes these operands: fp16/bf16 of one dtype on a device with TMA (sm_90+, or CPU tensors
+    under the Triton interpreter), x [S, D] and gate_up_proj [E, 2I, D] contiguous with 16-byte aligned rows."""
+    if x.dtype not in (torch.float16, torch.bfloat16) or gate_up_proj.dtype != x.dtype:
+        return False
+    if x.dim() != 2 or gate_up_proj.dim() != 3 or gate_up_proj.shape[2] != x.shape[1] or gate_up_proj.shape[1] % 2:
+        return False
+    if x.device != gate_up_proj.device or not (x.is_cuda or INTERPRET) or not tma_supported(x.device):
+        return False
+    es = x.element_size()
+    I, D = gate_up_proj.shape[1] // 2, x.shape[1]
+    return (x.is_contiguous() and gate_up_proj.is_contiguous() and _aligned(x) and (D * es) % 16 == 0
+            and (I * es) % 16 == 0 and gate_up_proj.data_ptr() % 16 == 0)
+
+
+def schedule(offsets: torch.Tensor, S: int, I: int, block_m: int, block_n: int):
+    """(tile_expert, tiles_end, m_tiles) on the device, without a host synchronisation: per expert its number of
+    row tiles and the cumulative tile count, and for every tile id up to the bound (S / BLOCK_M + E) * column tiles
+    the expert it belongs to (E past the last tile)."""
+    n_tiles = triton.cdiv(I, block_n)
+    offsets = offsets.to(torch.int32)
+    counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
+    m_tiles = (counts + (block_m - 1)) // block_m
+    tiles_end = torch.cumsum(m_tiles * n_tiles, 0, dtype=torch.int32)
+    bound = (S // block_m + offsets.numel()) * n_tiles
+    ids = torch.arange(bound, device=offsets.device, dtype=torch.int32)
+    tile_expert = torch.searchsorted(tiles_end, ids, right=True, out_int32=True)
+    return tile_expert, tiles_end, m_tiles.to(torch.int32), offsets, bound
+
+
+def grouped_gate_up_geglu(x: torch.Tensor, gate_up_proj: torch.Tensor, offsets: torch.Tensor, tanh: bool,
+                          config: Optional[Config] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """h [S, I] of x [S, D] (rows sorted by expert; ``offsets`` [E] their cumulative counts, at most S) and
+    gate_up_proj [E, 2I, D]; the operands as :func:`applies` accepts them (checked by the caller). Rows past
+    ``offsets[-1]`` are left unwritten, as torch._grouped_mm leaves them. ``out``: a contiguous [S, I] tensor of
+    x's dtype to write into."""
+    S, D = x.shape
+    E, I2, _ = gate_up_proj.shape
+    I = I2 // 2
+    if out is None:
+        out = torch.empty((S, I), dtype=x.dtype, device=x.device)
+    elif out.shape != (S, I) or out.dtype != x.dtype or out.device != x.device or not out.is_contiguous():
+        raise ValueError(f"grouped_gate_up_geglu: out must be a contiguous {x.dtype} tensor of shape ({S}, {I}) on "
+                         f"{x.device}; got {out.dtype} {tuple(out.shape)} on {out.device}.")
+    if S == 0 or I == 0:
+        return out
+    if D == 0:
+        raise ValueError("grouped_gate_up_geglu: hidden size 0 is not supported by the fused kernel.")
+    cfg = config or default_config(I)
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    tile_expert, tiles_end, m_tiles, offs, bound = schedule(offsets, S, I, bm, bn)
+    x_desc = TensorDescriptor(x, [S, D], [D, 1], [bm, bk])
+    w_desc = TensorDescriptor(gate_up_proj, [E, 2, I, D], [I2 * D, I * D, D, 1], [1, 2, bn, bk])
+    grid = (min(bound, _sm_count(x.device)),)
+    with torch.cuda.device(x.device) if x.device.type == "cuda" else _nullcontext():
+        _grouped_geglu_kernel[grid](
+            x_desc, w_desc, out, tile_expert, tiles_end, m_tiles, offs, E, I, out.stride(0), D,
+            TANH=tanh, DOT_F32=INTERPRET, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, FLATTEN=cfg.flatten,
+            FAST_EPI=cfg.fast_epi, K_BETA_TANH=K_BETA_TANH, K_KAPPA=K_KAPPA, K_ALPHA=K_ALPHA,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
+        )
+    return out
