@@ -4,6 +4,7 @@ intermediate size of 64: bit-exact on CPU), and the markdown has every row. The 
 (`bash benchmarks/device_run.sh moe`)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -26,12 +27,14 @@ def test_bench_moe_quick_on_cpu(build_dir, tmp_path):
     assert res["checks"]["gate_forward"] == "GeGLUExpertsGate.forward"
     shape = res["meta"]["shape"]
     rows = res["rows"]
-    # On CPU the fused gate/up grouped GEMM runs under the Triton interpreter (the tests set TRITON_INTERPRET=1)
+    # On CPU tensors the fused gate/up grouped GEMM runs under the Triton interpreter only (TRITON_INTERPRET=1, which
+    # the tests set without a GPU)
+    fused = ("ours",) if os.environ.get("TRITON_INTERPRET") == "1" else ()
     expected = {(t, step, impl) for t in (32, 1, 8) for step, impls in (
         ("gate", ("eager", "torch.compile", "ours")),
-        ("gate_up", ("eager", "grouped_mm alone", "ours")),
+        ("gate_up", ("eager", "grouped_mm alone") + fused),
         ("block", ("eager", "torch.compile", "ours", "ours, fused_mlp off"))) for impl in impls}
-    assert {(r["tokens"], r["step"], r["impl"]) for r in rows} == expected and len(rows) == len(expected) == 30
+    assert {(r["tokens"], r["step"], r["impl"]) for r in rows} == expected and len(rows) == len(expected)
     for row in rows:
         where = f"{row['label']} {row['step']} {row['impl']}"
         assert row["rows"] == row["tokens"] * shape["top_k"] and row["us"] > 0, where
