@@ -121,3 +121,35 @@ def test_merge_and_partial_reports(tmp_path):
     md = bm.to_markdown(merged)
     assert "Commit b2, 2026-12-01, 4 rounds of 2 calls." in md and "Commit a1" not in md
     assert "**Partial:**" in bm.to_markdown(dict(merged, partial=True)) and "**Partial:**" not in md
+
+
+def test_each_compiled_model_has_its_own_frame_cache():
+    """Two models of one class compiled through ``own_code`` keep their compiled frames apart (one cache entry per
+    code object, none on the class's shared forward), so neither call evaluates the other model's guards; the
+    copy computes what the method computes. Compiled straight from the shared method, both entries land on one
+    code object."""
+    import torch
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from kerneltools.bench.model import own_code
+
+    class Toy(torch.nn.Module):
+        def __init__(self, scale):
+            super().__init__()
+            self.scale = scale
+
+        def forward(self, x, *, bias=1.0):
+            return x * self.scale + bias
+
+    torch._dynamo.reset()
+    a, b, x = Toy(2), Toy(3), torch.arange(4.0)  # int attributes: Dynamo specialises on them
+    fa, fb = own_code(a.forward), own_code(b.forward)
+    assert fa.__func__.__code__ is not Toy.forward.__code__ and fa.__self__ is a and fa.__qualname__ == Toy.forward.__qualname__
+    ca, cb = torch.compile(fa, backend="eager"), torch.compile(fb, backend="eager")
+    assert torch.equal(ca(x), a(x)) and torch.equal(cb(x, bias=0.5), b(x, bias=0.5))
+    assert [len(_debug_get_cache_entry_list(f.__func__.__code__)) for f in (fa, fb)] == [1, 1]
+    assert len(_debug_get_cache_entry_list(Toy.forward.__code__)) == 0
+    shared_a, shared_b = torch.compile(a.forward, backend="eager"), torch.compile(b.forward, backend="eager")
+    shared_a(x), shared_b(x)
+    assert len(_debug_get_cache_entry_list(Toy.forward.__code__)) == 2
+    torch._dynamo.reset()
