@@ -158,11 +158,11 @@ def build_models(spec: ModelSpec, build_dir: Path, device: str, dtype, tiny: boo
 
 def own_code(method):
     """``method`` (a bound method) as a function with a code object of its own. Dynamo keeps compiled frames per
-    code object: two models of one class compiled in one process share their forward's cache, and every call of
-    the model compiled second first evaluates (and fails) the other model's guards, a host cost per call (measured
-    at 7b4b502 on the build machine's CPU, T5 v1.1 with 12 + 12 layers: 10-20 µs of its ~280 µs of guards and
-    wrappers). With its own code object each model's call checks only its own guards, as in a process that compiles
-    one model."""
+    code object, so two models of one class compiled in one process share their forward's cache; the one compiled
+    second then took 10-20 µs a call more than an identical copy compiled first (measured at 7b4b502 on the build
+    machine's CPU, T5 v1.1 with 12 + 12 layers, whose guards and wrappers cost ~280 µs a call), a bias towards the
+    mode compiled first. With its own code object each model's calls see only its own compiled frames, as in a
+    process that compiles one model."""
     fn = method.__func__
     copy_ = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     copy_.__kwdefaults__, copy_.__qualname__ = fn.__kwdefaults__, fn.__qualname__
@@ -569,7 +569,8 @@ def summary_markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    """Ratio to eager per part and mode, one panel per model."""
+    """Ratio to eager (median over the rounds) per part and mode, one panel per model; a mode a part was not run in
+    has no bar there. Skipped without matplotlib."""
     try:
         import matplotlib
 
@@ -581,17 +582,19 @@ def plot(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 3.6), squeeze=False)
     for ax, res in zip(axes[0], models):
         parts = [row["part"] for row in res["rows"]]
-        modes = [mo for mo in MODES if mo != "eager" and all(mo in row["modes"] for row in res["rows"])]
+        modes = [mo for mo in MODES if mo != "eager" and any(mo in row["modes"] for row in res["rows"])]
         w = 0.8 / max(len(modes), 1)
         for i, mode in enumerate(modes):
-            vals = [row["modes"][mode]["vs_eager"][0] for row in res["rows"]]
-            ax.bar([j + i * w for j in range(len(parts))], vals, w, label=mode)
+            vals = [row["modes"][mode]["vs_eager"][0] if mode in row["modes"] else float("nan")
+                    for row in res["rows"]]
+            ax.bar([j + i * w for j in range(len(parts))], vals, w, label=mode, color=f"C{MODES.index(mode)}")
         ax.axhline(1.0, color="k", lw=0.6)
         ax.set_xticks([j + 0.4 - w / 2 for j in range(len(parts))], parts, fontsize=8)
-        ax.set_title(res["model"], fontsize=9)
+        commit = res.get("run", {}).get("meta", result["meta"])["commit"]
+        ax.set_title(f"{res['model']} (commit {commit})", fontsize=9)
         ax.set_ylabel("time / eager (lower is faster)", fontsize=8)
-    axes[0][0].legend(fontsize=7)
-    fig.suptitle(f"kernelize on {result['meta']['card']} (commit {result['meta']['commit']})", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"kernelize on {result['meta']['card']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
