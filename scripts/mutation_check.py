@@ -154,6 +154,21 @@ MUTANTS = [
            "    if approximate is None or _is_compiling():\n        return act(gate) * up",
            "    if approximate is None:\n        return act(gate) * up",
            ("tests/tools/test_bench_model.py::test_compiled_graph_is_the_hosts_but_for_the_fused_mlp",)),
+    Mutant("experts-tile-wrong-expert", "the fused experts GEMM reads every tile's weights from expert 0",
+           f"{PKG}/_experts_triton.py",
+           "w_desc.load([e, 0, off_n, k * BLOCK_K])",
+           "w_desc.load([0, 0, off_n, k * BLOCK_K])",
+           ("tests/kernel/test_experts_fused.py",)),
+    Mutant("experts-rows-from-zero", "the fused experts GEMM starts every expert's row tiles at row 0",
+           f"{PKG}/_experts_triton.py",
+           "off_m = row_start + (local % m_tiles) * BLOCK_M",
+           "off_m = (local % m_tiles) * BLOCK_M",
+           ("tests/kernel/test_experts_fused.py",)),
+    Mutant("experts-fused-in-training", "the fused experts block also runs when a gradient is recorded",
+           f"{PKG}/_experts.py",
+           "    if torch.is_grad_enabled() and any(",
+           "    if False and any(",
+           ("tests/kernel/test_experts_fused.py",)),
 ]
 
 
