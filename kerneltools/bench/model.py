@@ -6,7 +6,10 @@ Models are built from real transformers configs with random weights (no download
   vocab 262208), 16 of its 34 layers;
 * ``gemma2-2b``: Gemma 2 2B (hidden 2304, intermediate 9216, 26 layers, soft-capping: eager attention);
 * ``t5-v1.1-base``: T5 v1.1 base (d_model 768, d_ff 2048, 12 + 12 layers, gated-gelu), encoder-decoder;
-* ``modernbert-base``: ModernBERT base (hidden 768, intermediate 1152, 22 layers), encoder.
+* ``modernbert-base``: ModernBERT base (hidden 768, intermediate 1152, 22 layers), encoder;
+* ``gemma4-moe``: a Gemma 4 MoE text model with google/gemma-4-26B-A4B's hidden size (2816) and experts (128,
+  top-8, moe_intermediate_size 704; the dense MLP beside them, attention and vocabulary are Gemma4TextConfig's
+  defaults, which are not that checkpoint's), 6 of its 30 layers.
 
 Each model runs as ``eager``, ``kernelized`` (``kernels.kernelize`` with this project's mapping,
 ``register_geglu_kernels``, the kernel loaded by kernels' loader from ``--build-dir`` through ``LOCAL_KERNELS``),
@@ -102,6 +105,20 @@ def _modernbert(tiny: bool):
                             vocab_size=50368, local_attention=128, global_attn_every_n_layers=3)
 
 
+def _gemma4_moe(tiny: bool):
+    from transformers import Gemma4TextConfig
+
+    moe = dict(enable_moe_block=True, hidden_size_per_layer_input=0, hidden_activation="gelu_pytorch_tanh")
+    if tiny:
+        return Gemma4TextConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=2,
+                                num_key_value_heads=1, head_dim=32, vocab_size=256, sliding_window=16, num_experts=8,
+                                top_k_experts=2, moe_intermediate_size=64, **moe)
+    # google/gemma-4-26B-A4B's hidden size and experts (the fields kerneltools.bench.moe takes from its config.json);
+    # attention, the dense MLP beside the experts and the vocabulary are Gemma4TextConfig's defaults
+    return Gemma4TextConfig(hidden_size=2816, num_hidden_layers=6, num_experts=128, top_k_experts=8,
+                            moe_intermediate_size=704, **moe)
+
+
 MODELS = {
     "gemma3-4b": ModelSpec("gemma3-4b", "causal", "AutoModelForCausalLM", _gemma3, (8, 2048), (2, 2048),
                            "google/gemma-3-4b-pt text config, 16 of 34 layers"),
@@ -111,6 +128,9 @@ MODELS = {
                               "google/t5-v1_1-base config (decoder: 1 token in prefill, 128 in training)"),
     "modernbert-base": ModelSpec("modernbert-base", "encoder", "AutoModelForMaskedLM", _modernbert, (8, 1024),
                                  (8, 1024), "answerdotai/ModernBERT-base config"),
+    "gemma4-moe": ModelSpec("gemma4-moe", "causal", "AutoModelForCausalLM", _gemma4_moe, (8, 2048), (2, 2048),
+                            "google/gemma-4-26B-A4B's hidden size and experts (128, top-8, moe_intermediate_size 704), "
+                            "Gemma4TextConfig's defaults otherwise, 6 layers"),
 }
 TINY_SHAPES = dict(prefill=(2, 24), train=(2, 24))
 DECODE_BATCHES = (1, 8)
