@@ -89,6 +89,18 @@ def test_rows_past_the_last_offset_are_not_written(et):
         et.grouped_gate_up_geglu(x, w, offsets, True, out=sentinel[:, :16])
 
 
+def test_offsets_past_the_rows_write_nothing_outside_them(et):
+    """Offsets whose last count runs past x's rows (a caller's bug) make the kernel neither write past the output
+    (the store is masked at S, the tile loop stops at the listed tiles) nor read past the schedule."""
+    x, w, offsets = _operands(3, 32, 32, [9, 20, 4], torch.bfloat16, seed=2)
+    big = torch.full((x.shape[0] + 40, 32), 7.0, dtype=x.dtype, device=x.device)
+    past = offsets.clone()
+    past[-1] += 40
+    et.grouped_gate_up_geglu(x, w, past, True, out=big[:x.shape[0]])
+    assert (big[x.shape[0]:] == 7.0).all()
+    assert torch.equal(big[:29], et.grouped_gate_up_geglu(x, w, offsets, True)[:29])  # the experts before the last
+
+
 def test_schedule_lists_every_tile_once(et):
     """The device-side tile list: expert e owns ceil(rows_e / BLOCK_M) * ceil(I / BLOCK_N) consecutive tile ids,
     the ids past the last tile map to E (the kernel's loop stops at the on-device tile count)."""

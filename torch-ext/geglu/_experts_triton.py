@@ -34,11 +34,11 @@ from ._triton import INTERPRET, K_ALPHA, K_BETA_TANH, K_KAPPA
 
 @triton.jit
 def _grouped_geglu_kernel(x_desc, w_desc, out_ptr, tile_expert_ptr, tiles_end_ptr, m_tiles_ptr, offsets_ptr,
-                          E, N, stride_o, K,
+                          S, E, N, stride_o, K, bound,
                           TANH: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, FLATTEN: tl.constexpr, FAST_EPI: tl.constexpr,
                           K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr):
-    total = tl.load(tiles_end_ptr + E - 1)
+    total = tl.minimum(tl.load(tiles_end_ptr + E - 1), bound)  # bound: the listed tile ids (offsets past S)
     cols = tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     for t in tl.range(tl.program_id(0), total, tl.num_programs(0), flatten=FLATTEN):
@@ -62,7 +62,7 @@ def _grouped_geglu_kernel(x_desc, w_desc, out_ptr, tile_expert_ptr, tiles_end_pt
         y, _, _ = _geglu_epilogue(acc_g, acc_u, x_desc.dtype, TANH, 0, FAST_EPI, K_BETA_TANH, K_KAPPA, K_ALPHA)
         r = off_m + rows
         c = off_n + cols
-        mask = (r < row_end)[:, None] & (c < N)[None, :]
+        mask = ((r < row_end) & (r < S))[:, None] & (c < N)[None, :]  # S: offsets past the rows write nothing
         tl.store(out_ptr + r.to(tl.int64)[:, None] * stride_o + c[None, :], y, mask=mask)
 
 
@@ -138,7 +138,7 @@ def grouped_gate_up_geglu(x: torch.Tensor, gate_up_proj: torch.Tensor, offsets: 
     grid = (min(bound, _sm_count(x.device)),)
     with torch.cuda.device(x.device) if x.device.type == "cuda" else _nullcontext():
         _grouped_geglu_kernel[grid](
-            x_desc, w_desc, out, tile_expert, tiles_end, m_tiles, offs, E, I, out.stride(0), D,
+            x_desc, w_desc, out, tile_expert, tiles_end, m_tiles, offs, S, E, I, out.stride(0), D, bound,
             TANH=tanh, DOT_F32=INTERPRET, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, FLATTEN=cfg.flatten,
             FAST_EPI=cfg.fast_epi, K_BETA_TANH=K_BETA_TANH, K_KAPPA=K_KAPPA, K_ALPHA=K_ALPHA,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
