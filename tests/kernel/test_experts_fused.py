@@ -45,13 +45,13 @@ def experts_mod(geglu, monkeypatch):
         restore.__exit__()
 
 
-def _operands(E, D, I, counts, dtype, seed=0, tail=0):
+def _operands(E, D, I, counts, dtype, tail=0):
     """x [S + tail, D] (rows sorted by expert: ``counts[e]`` rows for expert e, then ``tail`` rows past the last
-    offset), gate_up_proj [E, 2I, D] scaled like Gemma 4's init, offsets [E] int32."""
-    gen = torch.Generator().manual_seed(seed)
+    offset), gate_up_proj [E, 2I, D] scaled like Gemma 4's init, offsets [E] int32; fresh data from the test's
+    seeded generator."""
     S = sum(counts)
-    x = (torch.randn(S + tail, D, generator=gen) * 2.0).to(dtype).to(DEVICE)
-    w = (torch.randn(E, 2 * I, D, generator=gen) * D ** -0.5).to(dtype).to(DEVICE)
+    x = (torch.randn(S + tail, D) * 2.0).to(dtype).to(DEVICE)
+    w = (torch.randn(E, 2 * I, D) * D ** -0.5).to(dtype).to(DEVICE)
     offsets = torch.cumsum(torch.tensor(counts), 0).to(torch.int32).to(DEVICE)
     return x, w, offsets
 
@@ -80,7 +80,7 @@ def test_each_experts_rows_within_one_unit_of_fp64(et, dtype, approximate):
 def test_rows_past_the_last_offset_are_not_written(et):
     """Rows past offsets[-1] (expert parallelism's sentinels) are left as they were, as torch._grouped_mm leaves
     them: the kernel writes no row outside its experts' ranges."""
-    x, w, offsets = _operands(3, 32, 32, [9, 20, 4], torch.bfloat16, seed=1, tail=11)
+    x, w, offsets = _operands(3, 32, 32, [9, 20, 4], torch.bfloat16, tail=11)
     sentinel = torch.full((x.shape[0], 32), 7.0, dtype=x.dtype, device=x.device)
     h = et.grouped_gate_up_geglu(x, w, offsets, True, out=sentinel)
     assert h is sentinel
@@ -92,7 +92,7 @@ def test_rows_past_the_last_offset_are_not_written(et):
 def test_offsets_past_the_rows_write_nothing_outside_them(et):
     """Offsets whose last count runs past x's rows (a caller's bug) make the kernel neither write past the output
     (the store is masked at S, the tile loop stops at the listed tiles) nor read past the schedule."""
-    x, w, offsets = _operands(3, 32, 32, [9, 20, 4], torch.bfloat16, seed=2)
+    x, w, offsets = _operands(3, 32, 32, [9, 20, 4], torch.bfloat16)
     big = torch.full((x.shape[0] + 40, 32), 7.0, dtype=x.dtype, device=x.device)
     past = offsets.clone()
     past[-1] += 40
@@ -120,14 +120,13 @@ def test_schedule_lists_every_tile_once(et):
 # --- the experts block ----------------------------------------------------------------------------------------
 
 
-def _gemma4_experts(impl="grouped_mm", act="gelu_pytorch_tanh", E=4, D=64, I=64, dtype=torch.bfloat16, seed=0):
+def _gemma4_experts(impl="grouped_mm", act="gelu_pytorch_tanh", E=4, D=64, I=64, dtype=torch.bfloat16):
     from transformers import Gemma4TextConfig
     from transformers.models.gemma4.modeling_gemma4 import Gemma4TextExperts
 
     config = Gemma4TextConfig(hidden_size=D, num_experts=E, top_k_experts=2, moe_intermediate_size=I,
                               enable_moe_block=True, hidden_activation=act)
     config._experts_implementation = impl
-    torch.manual_seed(seed)
     with torch.device(DEVICE):
         mod = Gemma4TextExperts(config).to(dtype)
     with torch.no_grad():
@@ -136,11 +135,10 @@ def _gemma4_experts(impl="grouped_mm", act="gelu_pytorch_tanh", E=4, D=64, I=64,
     return mod.eval()
 
 
-def _routing(mod, tokens, seed=1):
-    gen = torch.Generator().manual_seed(seed)
+def _routing(mod, tokens):
     D, E, k = mod.gate_up_proj.shape[2], mod.num_experts, 2
-    x = torch.randn(tokens, D, generator=gen).to(mod.gate_up_proj.dtype).to(DEVICE)
-    probs = torch.randn(tokens, E, generator=gen).softmax(-1)
+    x = torch.randn(tokens, D).to(mod.gate_up_proj.dtype).to(DEVICE)
+    probs = torch.randn(tokens, E).softmax(-1)
     w, idx = probs.topk(k, dim=-1)
     return x, idx.to(DEVICE), (w / w.sum(-1, keepdim=True)).to(DEVICE)
 
@@ -228,12 +226,10 @@ def test_gpu_gemma4_26b_expert_shape_within_bound(et, approximate):
     """Gemma 4 26B-A4B's experts (hidden 2816, I = 704: 5.5 tiles of 128 columns) with 2048 tokens routed top-8 over
     128 experts (uneven row counts, some experts empty): every row within the fp64 bound, on the device's default
     tile."""
-    gen = torch.Generator().manual_seed(3)
     E, D, I = 128, 2816, 704
-    counts = torch.multinomial(torch.ones(E) * torch.rand(E, generator=gen) ** 2, 2048 * 8, replacement=True,
-                               generator=gen).bincount(minlength=E)
+    counts = torch.multinomial(torch.rand(E) ** 2, 2048 * 8, replacement=True).bincount(minlength=E)
     counts[:3] = 0
-    x, w, offsets = _operands(E, D, I, counts.tolist(), torch.bfloat16, seed=4)
+    x, w, offsets = _operands(E, D, I, counts.tolist(), torch.bfloat16)
     h = et.grouped_gate_up_geglu(x, w, offsets, approximate == "tanh")
     for e in range(0, E, 9):  # a sample of experts (fp64 GEMMs on the GPU)
         n = int(counts[e])

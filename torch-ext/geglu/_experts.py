@@ -64,7 +64,8 @@ def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torc
 def _plain_grouped(experts) -> bool:
     """An experts module whose grouped_mm implementation is the plain one the fused block reproduces: concatenated
     gate/up weights ([E, 2I, D], gate rows first), not transposed, no biases, no post-expert norm, not sharded
-    over experts (expert parallelism's sentinel rows), the default gate."""
+    over experts (expert parallelism's sentinel rows). The gate it computes is ``act_fn(gate) * up``, transformers'
+    default: ``register_geglu_kernels`` refuses experts classes with a gate of their own."""
     return (getattr(experts, "has_gate", False) and getattr(experts, "is_concatenated", True)
             and not getattr(experts, "is_transposed", True) and not getattr(experts, "has_bias", True)
             and not getattr(experts, "has_post_expert_norm", True) and not getattr(experts, "_is_expert_parallel", True)
