@@ -98,9 +98,10 @@ def applies(x: torch.Tensor, gate_up_proj: torch.Tensor) -> bool:
 
 
 def schedule(offsets: torch.Tensor, S: int, I: int, block_m: int, block_n: int):
-    """(tile_expert, tiles_end, m_tiles) on the device, without a host synchronisation: per expert its number of
-    row tiles and the cumulative tile count, and for every tile id up to the bound (S / BLOCK_M + E) * column tiles
-    the expert it belongs to (E past the last tile)."""
+    """The tile list, on the device and without a host synchronisation: ``(tile_expert, tiles_end, m_tiles,
+    offsets, bound)``, where m_tiles [E] is each expert's number of row tiles, tiles_end [E] the cumulative tile
+    count, tile_expert [bound] the expert of every tile id below ``bound = (S // BLOCK_M + E) * column tiles`` (E
+    past the last tile), and offsets the given ones as int32."""
     n_tiles = triton.cdiv(I, block_n)
     offsets = offsets.to(torch.int32)
     counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
