@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import importlib
 import json
 import platform
 import sys
@@ -117,24 +118,8 @@ def _packed_calls(kernel, fn) -> int:
     return n[0]
 
 
-def _sorted_rows(torch, x, index, experts: int):
-    """The rows of ``x`` per routed (token, expert) pair sorted by expert, and the cumulative row counts per expert:
-    what transformers' grouped_mm experts implementation hands its first grouped GEMM."""
-    expert_ids, perm = torch.sort(index.reshape(-1))
-    ids = expert_ids.int() if x.is_cuda else expert_ids.float()
-    counts = torch.histc(ids, bins=experts, min=0, max=experts - 1)
-    return x[perm // index.shape[-1]], torch.cumsum(counts, dim=0, dtype=torch.int32)
-
-
-def _grouped_mm(torch, x, w, offsets):
-    fn = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
-    return fn(x, w, offs=offsets)
-
-
 def _fused_gate_up(kernel):
     """The kernel's fused gate/up grouped GEMM module (``_experts_triton``), or None without Triton."""
-    import importlib
-
     try:
         return importlib.import_module(kernel.__name__ + "._experts_triton")
     except ImportError:
@@ -188,17 +173,18 @@ def run(build_dir: Path, *, quick: bool = False, rounds: int = 3, device: str | 
         compiled_gate = torch.compile(eager_gate, backend=compile_backend, fullgraph=True, dynamic=False)
         compiled_block = torch.compile(host, backend=compile_backend, fullgraph=True, dynamic=False)
     fused_kernel = _fused_gate_up(kernel)
+    experts_mod = importlib.import_module(kernel.__name__ + "._experts")  # transformers' routing, as the block has it
     gen = torch.Generator(device=device).manual_seed(0)
     rows = []
     for label, tokens in token_counts:
         S, I = tokens * shape.top_k, shape.intermediate
         x, index, weights = _routing(torch, shape, tokens, device, dtype, gen)
         gate_up = torch.randn(S, 2 * I, generator=gen, device=device).to(dtype)
-        x_g, offsets = _sorted_rows(torch, x, index, shape.experts)
+        _, x_g, offsets = experts_mod.sorted_rows(x, index, shape.experts)
         w_t = host.gate_up_proj.transpose(-2, -1)
         steps = {"gate": {"eager": lambda: eager_gate(gate_up), "ours": lambda: gate_layer(act, gate_up)},
-                 "gate_up": {"eager": lambda: eager_gate(_grouped_mm(torch, x_g, w_t, offsets)),
-                             "grouped_mm alone": lambda: _grouped_mm(torch, x_g, w_t, offsets)},
+                 "gate_up": {"eager": lambda: eager_gate(experts_mod.grouped_mm(x_g, w_t, offsets)),
+                             "grouped_mm alone": lambda: experts_mod.grouped_mm(x_g, w_t, offsets)},
                  "block": {"eager": lambda: host(x, index, weights), "ours": lambda: ours(x, index, weights),
                            "ours, fused_mlp off": lambda: _unfused(kernel, lambda: ours(x, index, weights))}}
         if fused_kernel is not None and fused_kernel.applies(x_g, host.gate_up_proj):  # sm_90+ or the interpreter

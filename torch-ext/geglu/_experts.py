@@ -55,10 +55,20 @@ _DECISIONS: dict = {}
 DECISION_TIMES: dict = {}
 
 
-def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """transformers' grouped GEMM call: ``x @ w[e]`` over each expert's rows."""
     fn = getattr(F, "grouped_mm", None)
     return fn(x, w, offs=offsets) if fn is not None else torch._grouped_mm(x, w, offs=offsets)
+
+
+def sorted_rows(hidden_states: torch.Tensor, top_k_index: torch.Tensor, num_experts: int):
+    """``(perm, rows, offsets)`` as transformers' grouped_mm implementation makes them: the routed (token, slot)
+    pairs sorted by expert (``perm``), their rows of ``hidden_states``, and each expert's cumulative row count (int32,
+    from ``histc``, which takes ints on CUDA and floats on CPU)."""
+    expert_ids, perm = torch.sort(top_k_index.reshape(-1))
+    ids = expert_ids.int() if hidden_states.is_cuda else expert_ids.float()
+    counts = torch.histc(ids, bins=num_experts, min=0, max=num_experts - 1)
+    return perm, hidden_states[perm // top_k_index.size(-1)], torch.cumsum(counts, dim=0, dtype=torch.int32)
 
 
 def _plain_grouped(experts) -> bool:
@@ -79,15 +89,10 @@ def _fused_block(experts, hidden_states, top_k_index, top_k_weights, tanh: bool)
 
     num_top_k = top_k_index.size(-1)
     num_tokens, hidden_dim = hidden_states.shape
-    sample_weights = top_k_weights.reshape(-1)
-    expert_ids_g, perm = torch.sort(top_k_index.reshape(-1))
-    x_g = hidden_states[perm // num_top_k]
-    weights_g = sample_weights[perm]
-    ids = expert_ids_g.int() if x_g.is_cuda else expert_ids_g.float()
-    counts = torch.histc(ids, bins=experts.num_experts, min=0, max=experts.num_experts - 1)
-    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    perm, x_g, offsets = sorted_rows(hidden_states, top_k_index, experts.num_experts)
+    weights_g = top_k_weights.reshape(-1)[perm]
     h = _experts_triton.grouped_gate_up_geglu(x_g, experts.gate_up_proj, offsets, tanh)
-    out = _grouped_mm(h, experts.down_proj.transpose(-2, -1), offsets)
+    out = grouped_mm(h, experts.down_proj.transpose(-2, -1), offsets)
     weighted = out * weights_g.unsqueeze(-1)
     inv_perm = torch.empty_like(perm)
     inv_perm[perm] = torch.arange(perm.size(0), device=perm.device)
@@ -105,7 +110,8 @@ def fused_forward(experts, hidden_states, top_k_index, top_k_weights, approximat
     if approximate is None or not _config.current.fused_mlp or hidden_states.dim() != 2:
         return None
     rows = top_k_index.numel()
-    if rows < FUSED_MIN_ROWS or getattr(getattr(experts, "config", None), "_experts_implementation", None) != "grouped_mm":
+    implementation = getattr(getattr(experts, "config", None), "_experts_implementation", None)
+    if rows < FUSED_MIN_ROWS or implementation != "grouped_mm":
         return None
     if torch.is_grad_enabled() and any(t.requires_grad for t in (hidden_states, top_k_weights, experts.gate_up_proj,
                                                                    experts.down_proj)):
@@ -124,13 +130,9 @@ def fused_forward(experts, hidden_states, top_k_index, top_k_weights, approximat
     tanh = approximate == "tanh"
     E, I2, D = experts.gate_up_proj.shape
     key = (1 << (rows - 1).bit_length(), E, D, I2 // 2, hidden_states.dtype, dev)
-    use = _DECISIONS.get(key)
-    if use is None:
-        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None  # nothing can be timed during graph capture: transformers' block
-        timing: dict = {}
-        use = _DECISIONS[key] = _mlp.fused_is_faster(
-            lambda: _fused_block(experts, hidden_states, top_k_index, top_k_weights, tanh),
-            lambda: type(experts).forward(experts, hidden_states, top_k_index, top_k_weights), dev, record=timing)
-        DECISION_TIMES[key] = timing
-    return _fused_block(experts, hidden_states, top_k_index, top_k_weights, tanh) if use else None
+    if not _mlp.measured_faster(_DECISIONS, DECISION_TIMES, key,
+                                lambda: _fused_block(experts, hidden_states, top_k_index, top_k_weights, tanh),
+                                lambda: type(experts).forward(experts, hidden_states, top_k_index, top_k_weights),
+                                dev):
+        return None  # measured slower, or nothing could be timed (graph capture): transformers' block
+    return _fused_block(experts, hidden_states, top_k_index, top_k_weights, tanh)

@@ -151,17 +151,9 @@ def _fused_inference(x, w_gate, w_up, w_down, approximate) -> Optional[Tensor]:
         return None
     kt = _kernels()
     key = (kt.m_bucket(x2.shape[0]), D, H, x.dtype, x.device)
-    use = _DECISIONS.get(key)
-    if use is None:
-        if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None  # nothing can be timed during graph capture: the bit-exact path
-        timing: dict = {}
-        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-            use = _DECISIONS[key] = fused_is_faster(
-                lambda: _fused_forward(x2, w_gate, w_up, w_down, approximate),
-                lambda: regular(x2, w_gate, w_up, w_down, approximate), x.device, record=timing)
-        DECISION_TIMES[key] = timing
-    if not use:
+    if not measured_faster(_DECISIONS, DECISION_TIMES, key,
+                           lambda: _fused_forward(x2, w_gate, w_up, w_down, approximate),
+                           lambda: regular(x2, w_gate, w_up, w_down, approximate), x.device):
         return None
     return _fused_forward(x2, w_gate, w_up, w_down, approximate).view(x.shape[:-1] + (w_down.shape[0],))
 
@@ -210,6 +202,21 @@ class _WallClock:
 
     def results(self):
         return self.times
+
+
+def measured_faster(decisions: dict, times: dict, key, fused, regular_fn, device: torch.device) -> bool:
+    """Whether ``fused`` is to run for ``key``: the decision recorded in ``decisions``, or else (once per key) the
+    timing of :func:`fused_is_faster` on ``device``, recorded with its two medians in ``times``. False, and nothing
+    recorded, during CUDA graph capture, where nothing can be timed: the caller's regular path runs."""
+    use = decisions.get(key)
+    if use is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False
+        timing: dict = {}
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            use = decisions[key] = fused_is_faster(fused, regular_fn, device, record=timing)
+        times[key] = timing
+    return use
 
 
 def fused_is_faster(fused, regular_fn, device: torch.device, rounds: int = 11, record: Optional[dict] = None,
