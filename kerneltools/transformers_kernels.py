@@ -31,7 +31,7 @@ GEMMs, becomes a call of a gate layer (:class:`ExpertsGate`, the layer kernels m
 forward (the dispatch) for every other implementation. docs/transformers.md says why.
 
 With ``norms=True`` (the default) the same is done for the Gemma RMSNorm classes of :data:`NORM_CLASSES` (layer
-``GemmaRMSNorm``, docs/rmsnorm.md).
+``GemmaRMSNorm``, and ``Gemma3nRMSNorm`` for Gemma 3n / Gemma 4's form; docs/rmsnorm.md).
 
 The keys are ``"geglu.<Layer>"``, not the bare layer names: transformers' own default mapping, which
 ``from_pretrained(use_kernels=True)`` and ``set_use_kernels`` register again on every call, has a ``"GeGLUMLP"``
@@ -205,7 +205,9 @@ GEGLU_CLASSES: tuple[HostClass, ...] = (
 
 # --- Gemma's RMSNorm ----------------------------------------------------------------------------------------------
 # Classes whose forward is GemmaRMSNorm's, ``(x.float() * rsqrt(mean(x.float()^2) + eps) * (1.0 +
-# w.float())).type_as(x)``, op for op (a test compares their source), and the Gemma-family norms that differ.
+# w.float())).type_as(x)``, op for op (a test compares their source); those whose forward is Gemma3nRMSNorm's,
+# ``(x.float() * pow(mean(x.float()^2) + eps, -0.5) [* w.float()]).type_as(x)`` (layer Gemma3nRMSNorm); and the
+# Gemma-family norms that differ from both.
 # "supported-approx": on CUDA within one ulp of the output dtype against fp64, not bit-exact (the row sum is taken
 # in another order; docs/rmsnorm.md); on CPU bit-exact.
 
@@ -214,7 +216,7 @@ def _n(model, name, note="", layer="GemmaRMSNorm", status=SUPPORTED_APPROX):
     return HostClass(model, name, layer, status, "", note)
 
 
-_NO_ONE_PLUS = "scale w (not 1 + w), torch.pow(ms, -0.5) instead of rsqrt, and no weight when with_scale=False"
+_SCALED = "scale w (not 1 + w), torch.pow(ms, -0.5); instances with with_scale=False have no weight"
 
 NORM_CLASSES: tuple[HostClass, ...] = (
     _n("gemma", "GemmaRMSNorm"),
@@ -231,11 +233,12 @@ NORM_CLASSES: tuple[HostClass, ...] = (
     _n("step3p7", "Step3p7RMSNorm"),
     _n("minimax_m3_vl", "MiniMaxM3VLRMSNorm"),
     _n("muse_glimmer", "MuseGlimmerTextCenteredRMSNorm"),
-    _n("gemma3n", "Gemma3nRMSNorm", layer=None, status=NOT_SUPPORTED, note=_NO_ONE_PLUS),
-    _n("gemma4", "Gemma4RMSNorm", layer=None, status=NOT_SUPPORTED, note="as Gemma3nRMSNorm"),
-    _n("gemma4_unified", "Gemma4UnifiedRMSNorm", layer=None, status=NOT_SUPPORTED, note="as Gemma3nRMSNorm"),
-    _n("embedding_gemma2", "EmbeddingGemma2RMSNorm", layer=None, status=NOT_SUPPORTED, note="as Gemma3nRMSNorm"),
-    _n("diffusion_gemma", "DiffusionGemmaRMSNorm", layer=None, status=NOT_SUPPORTED, note="as Gemma3nRMSNorm"),
+    _n("gemma3n", "Gemma3nRMSNorm", layer="Gemma3nRMSNorm", note=_SCALED),
+    _n("gemma4", "Gemma4RMSNorm", layer="Gemma3nRMSNorm", note="as Gemma3nRMSNorm; also q/k/v_norm and the router's"),
+    _n("gemma4_unified", "Gemma4UnifiedRMSNorm", layer="Gemma3nRMSNorm", note="as Gemma3nRMSNorm"),
+    _n("embedding_gemma2", "EmbeddingGemma2RMSNorm", layer="Gemma3nRMSNorm", note="as Gemma3nRMSNorm"),
+    _n("diffusion_gemma", "DiffusionGemmaRMSNorm", layer="Gemma3nRMSNorm", note="as Gemma3nRMSNorm"),
+    _n("neomme", "NeoMMERMSNorm", layer="Gemma3nRMSNorm", note="as Gemma3nRMSNorm (its norms have no weight)"),
     _n("muse_spark", "MuseSparkTextCenteredRMSNorm", layer=None, status=NOT_SUPPORTED,
        note="(1.0 + weight).float(): the scale is rounded in the weight's dtype"),
     _n("muse_spark", "MuseSparkTextInputScaledRMSNorm", layer=None, status=NOT_SUPPORTED,
@@ -266,6 +269,16 @@ def _norm_condition(module) -> bool:
     weight = getattr(module, "weight", None)
     return (isinstance(weight, torch.Tensor) and weight.dim() == 1 and isinstance(getattr(module, "eps", None), float)
             and getattr(module, "group_size", None) is None and not _forward_taken(module))
+
+
+def _scaled_norm_condition(module) -> bool:
+    """A Gemma 3n-form norm the layer computes: a float eps and either a 1-D weight (with_scale) or none."""
+    import torch
+
+    with_scale = getattr(module, "with_scale", None)
+    weight = getattr(module, "weight", None)
+    scale_ok = (isinstance(weight, torch.Tensor) and weight.dim() == 1) if with_scale else with_scale is False
+    return scale_ok and isinstance(getattr(module, "eps", None), float) and not _forward_taken(module)
 
 
 def is_kernel_gelu(act: Any) -> bool:
@@ -384,8 +397,8 @@ def register_geglu_kernels(repo_id: str = DEFAULT_REPO_ID, *, version: int | Non
             speed-up; useful for tests and CPU-only CI).
         register: register the mapping globally (``kernels.register_kernel_mapping``, merged into the current
             one). With False it is only returned, for ``with kernels.use_kernel_mapping(reg.mapping): ...``.
-        norms: also map the Gemma RMSNorm classes of :data:`NORM_CLASSES` to the layer ``GemmaRMSNorm`` (the
-            default). On CUDA the fused norm is within one ulp of eager's output, not bit-exact
+        norms: also map the Gemma RMSNorm classes of :data:`NORM_CLASSES` to the layers ``GemmaRMSNorm`` and
+            ``Gemma3nRMSNorm`` (the default). On CUDA the fused norm is within one ulp of eager's output, not bit-exact
             (docs/rmsnorm.md); ``norms=False`` keeps the hosts' own norms, for bit-exact models.
 
     Every mode is mapped: Mode.INFERENCE, Mode.TRAINING, Mode.INFERENCE | Mode.TORCH_COMPILE and
@@ -415,7 +428,8 @@ def register_geglu_kernels(repo_id: str = DEFAULT_REPO_ID, *, version: int | Non
         reg.mapping[key] = {device: {mode: repos[layer] for mode in modes} for device in devices}
 
     hosts = [(h, _gelu_condition(h.act_attr) if h.act_attr else None) for h in GEGLU_CLASSES]
-    hosts += [(h, _norm_condition) for h in NORM_CLASSES] if norms else []
+    hosts += [(h, _scaled_norm_condition if h.layer == "Gemma3nRMSNorm" else _norm_condition)
+              for h in NORM_CLASSES] if norms else []
     for host, condition in hosts:
         if host.layer is None:
             continue

@@ -414,6 +414,130 @@ def test_layer_keeps_the_hosts_math_for_other_dtypes(norm_impl, geglu, build_dir
     assert torch.equal(norm(x), ref(x)) and calls.take() == {}
 
 
+# --- Gemma 3n / Gemma 4's form: the layer Gemma3nRMSNorm ----------------------------------------------------------
+
+
+def scaled_host(x, w, eps=EPS):
+    """transformers' Gemma3nRMSNorm.forward (Gemma 4's), op for op; w None: with_scale=False."""
+    xf = x.float()
+    y = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    return (y * w.float() if w is not None else y).type_as(x)
+
+
+@use_kernel_forward_from_hub("Gemma3nRMSNorm")
+class HostScaledNorm(torch.nn.Module):
+    """The shape of transformers' Gemma3nRMSNorm / Gemma4RMSNorm (weight optional)."""
+
+    def __init__(self, dim, eps=EPS, with_scale=True):
+        super().__init__()
+        self.eps, self.with_scale = eps, with_scale
+        if with_scale:
+            self.weight = torch.nn.Parameter(torch.randn(dim) * 0.5)
+
+    def forward(self, x):
+        return scaled_host(x, self.weight if self.with_scale else None, self.eps)
+
+
+def _scaled_mapping(build_dir, device):
+    return {"Gemma3nRMSNorm": {device: LocalLayerRepository(repo_path=build_dir, layer_name="Gemma3nRMSNorm")}}
+
+
+def _scaled_pair(device, dtype, seed, with_scale):
+    torch.manual_seed(seed)
+    ref = HostScaledNorm(48, with_scale=with_scale).to(device=device, dtype=dtype)
+    mod = HostScaledNorm(48, with_scale=with_scale).to(device=device, dtype=dtype)
+    mod.load_state_dict(ref.state_dict())
+    return mod, ref
+
+
+@pytest.mark.parametrize("with_scale", [True, False], ids=["weight", "no-weight"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_scaled_layer_inference_and_training(norm_impl, geglu, build_dir, monkeypatch, dtype, with_scale):
+    """Offset 0 and an optional weight: CPU bit-exact with the host (its torch.pow), the kernels within the bound
+    of the formula in fp64 (scale w, or ones), forward and backward."""
+    name, device = norm_impl
+    seed = _seed("scaled-layer", name, dtype, with_scale)
+    mod, ref = _scaled_pair(device, dtype, seed, with_scale)
+    with use_kernel_mapping(_scaled_mapping(build_dir, device)):
+        kernelize(mod, mode=Mode.TRAINING, device=device)
+    assert mod.forward.__func__.__qualname__ == "Gemma3nRMSNorm.forward"
+    calls = _Calls(geglu.__name__, monkeypatch)
+    x, _, dy = _data((3, 7, 48), dtype, dtype, 1.0, seed, device)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y, y_ref = mod(xa), ref(xb)
+    y.backward(dy)
+    y_ref.backward(dy)
+    assert calls.take() == ({"_rmsnorm.scaled_host_forward": 1} if name == "cpu"
+                            else {"_rmsnorm_triton.forward": 1, "_rmsnorm_triton.backward": 1})
+    dw = mod.weight.grad if with_scale else None
+    if name == "cpu":
+        assert torch.equal(y, y_ref) and torch.equal(xa.grad, xb.grad)
+        assert not with_scale or torch.equal(dw, ref.weight.grad)
+        return
+    w = mod.weight.detach() if with_scale else torch.ones(48, device=device)
+    assert_fwd_bound(y.detach(), x, w, EPS, 0.0, what=f"seed {seed}")
+    assert_bwd_bound(xa.grad, dw, x, w, dy, EPS, 0.0, what=f"seed {seed}")
+
+
+def test_scaled_layer_under_compile_runs_the_hosts_math(norm_impl, geglu, build_dir, monkeypatch):
+    name, device = norm_impl
+    mods = [_scaled_pair(device, torch.float32, _seed("scaled-compile", ws), ws) for ws in (True, False)]
+    model, ref = torch.nn.Sequential(*(m for m, _ in mods)), torch.nn.Sequential(*(r for _, r in mods))
+    with use_kernel_mapping(_scaled_mapping(build_dir, device)):
+        kernelize(model, mode=Mode.INFERENCE | Mode.TORCH_COMPILE, device=device)
+    calls = _Calls(geglu.__name__, monkeypatch)
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+        return gm.forward
+
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    x = torch.randn(2, 9, 48, generator=torch.Generator().manual_seed(5)).to(device)
+    with torch.no_grad():
+        assert torch.equal(compiled(x), ref(x))
+    assert len(graphs) == 1 and not any("rms_norm" in op for op in graphs[0]), graphs
+    assert calls.take() == {}
+
+
+def test_scaled_layer_keeps_the_hosts_math_for_other_dtypes(norm_impl, geglu, build_dir, monkeypatch):
+    name, device = norm_impl
+    mod, ref = _scaled_pair(device, torch.float64, _seed("scaled-f64"), True)
+    with use_kernel_mapping(_scaled_mapping(build_dir, device)):
+        kernelize(mod, mode=Mode.INFERENCE, device=device)
+    calls = _Calls(geglu.__name__, monkeypatch)
+    x = torch.randn(3, 48, dtype=torch.float64, device=device)
+    assert torch.equal(mod(x), ref(x)) and calls.take() == {"_rmsnorm.scaled_host_forward": 1}
+
+
+@pytest.mark.gpu
+def test_gpu_scaled_layer_in_a_cuda_graph(geglu, build_dir):
+    """A norm without weight first called inside a CUDA graph capture makes no tensor there (it runs the host's
+    math); called once outside, the captured graph runs the kernel. Both replays equal their eager runs."""
+    geglu._rmsnorm._UNIT_SCALES.clear()
+    mod, ref = _scaled_pair("cuda", torch.bfloat16, _seed("scaled-graph"), False)
+    with use_kernel_mapping(_scaled_mapping(build_dir, "cuda")):
+        kernelize(mod, mode=Mode.INFERENCE, device="cuda")
+    x = torch.randn(64, 48, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for warm in (False, True):
+        if warm:
+            with torch.no_grad():
+                eager = mod(x)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(g):
+            y = mod(x)
+        g.replay()
+        torch.cuda.synchronize()
+        results.append(y.clone())
+        assert (("cuda" in {k[1].type for k in geglu._rmsnorm._UNIT_SCALES}) == warm)
+    with torch.no_grad():
+        assert torch.equal(results[0], ref(x))  # the host's math
+        assert torch.equal(results[1], eager)  # the kernel, as outside the graph
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # GPU: the bound at real sizes (marker gpu; skipped without CUDA)
 # ----------------------------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Gemma's RMSNorm, fused: ``rms_norm(x, weight, eps, offset=1.0)``.
+"""Gemma's RMSNorm, fused: ``rms_norm(x, weight, eps, offset=1.0)``; and Gemma 3n / Gemma 4's form
+(``scaled_layer_forward``: offset 0, an optional weight).
 
 The function of transformers' ``GemmaRMSNorm.forward`` (Gemma, Gemma 2, Gemma 3, ...)::
 
@@ -289,4 +290,45 @@ def layer_forward(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return host_forward(x, weight, eps)
 
 
-__all__ = ["rms_norm", "rms_norm_op", "rms_norm_backward", "host_forward", "layer_forward", "check_rms_norm"]
+# --- Gemma 3n / Gemma 4's form --------------------------------------------------------------------------------
+# ``Gemma3nRMSNorm.forward`` (Gemma 3n, Gemma 4, ...): the scale is ``w`` itself (offset 0), r is ``torch.pow(ms,
+# -0.5)``, and ``with_scale=False`` instances have no weight. The kernels compute it with offset 0 and, without a
+# weight, a scale of ones (the product by 1.0 is exact in fp32); CPU tensors run the host's own ops.
+
+
+def scaled_host_forward(x: Tensor, weight, eps: float) -> Tensor:
+    """``Gemma3nRMSNorm.forward``, op for op; ``weight`` None for ``with_scale=False``."""
+    xf = x.float()
+    y = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    if weight is not None:
+        y = y * weight.float()
+    return y.type_as(x)
+
+
+_UNIT_SCALES: dict = {}  # (D, device) -> ones(D) fp32
+
+
+def _unit_scale(x: Tensor):
+    """ones(D) in fp32 on x's device (the scale of a norm without weight), made once; None while a CUDA graph is
+    being captured and it does not exist yet (a tensor made in the capture would belong to the graph's pool)."""
+    key = (x.shape[-1], x.device)
+    w = _UNIT_SCALES.get(key)
+    if w is None:
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None
+        w = _UNIT_SCALES[key] = torch.ones(x.shape[-1], dtype=torch.float32, device=x.device)
+    return w
+
+
+def scaled_layer_forward(x: Tensor, weight, eps: float) -> Tensor:
+    """``Gemma3nRMSNorm.forward`` outside torch.compile: the kernels for a plain eager call of CUDA tensors (and of
+    CPU tensors under the 'triton' backend), the host's own math for anything else."""
+    w = weight if weight is not None else (_unit_scale(x) if x.dim() > 0 else None)
+    if (w is not None and (x.is_cuda or (x.is_cpu and _backend.get_backend() == "triton"))
+            and _plain_eager(x, w) and _ok(x, w)):
+        return _run(x, w, eps if type(eps) is float else _as_float(eps, "eps"), 0.0)
+    return scaled_host_forward(x, weight, eps)
+
+
+__all__ = ["rms_norm", "rms_norm_op", "rms_norm_backward", "host_forward", "layer_forward", "scaled_host_forward",
+           "scaled_layer_forward", "check_rms_norm"]

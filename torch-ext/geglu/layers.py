@@ -13,6 +13,7 @@ from torch import nn
 from . import _experts, _mlp
 from ._activations import gelu_approximation
 from ._rmsnorm import host_forward as _gemma_norm_host, layer_forward as _gemma_norm
+from ._rmsnorm import scaled_host_forward as _scaled_norm_host, scaled_layer_forward as _scaled_norm
 from .functional import geglu, geglu_packed
 
 
@@ -345,6 +346,26 @@ class GemmaRMSNorm(nn.Module):
         return _gemma_norm(x, self.weight, self.eps)
 
 
+class Gemma3nRMSNorm(nn.Module):
+    """Replaces transformers' ``Gemma3nRMSNorm`` and the classes with its forward (Gemma 4, Gemma 4 unified,
+    EmbeddingGemma 2, DiffusionGemma): ``(x.float() * pow(mean(x.float()^2, -1) + eps, -0.5) * weight.float())
+    .type_as(x)``, the scale being the weight itself, and no scale at all when ``with_scale`` is False (v_norm, the
+    router's norm). On CUDA the fused kernels (as :class:`GemmaRMSNorm`'s, with offset 0); on CPU and under
+    torch.compile the host's own math."""
+
+    can_torch_compile = True
+    has_backward = True
+
+    eps: float
+    with_scale: bool
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight if self.with_scale else None
+        if torch.compiler.is_compiling():
+            return _scaled_norm_host(x, weight, self.eps)
+        return _scaled_norm(x, weight, self.eps)
+
+
 __all__ = [
     "GeluAndMul",
     "GeluTanhAndMul",
@@ -360,4 +381,5 @@ __all__ = [
     "GeGLUExpertsGate",
     "GeGLUExperts",
     "GemmaRMSNorm",
+    "Gemma3nRMSNorm",
 ]
