@@ -130,7 +130,7 @@ MODELS = {
                                  (8, 1024), "answerdotai/ModernBERT-base config"),
     "gemma4-moe": ModelSpec("gemma4-moe", "causal", "AutoModelForCausalLM", _gemma4_moe, (8, 2048), (2, 2048),
                             "google/gemma-4-26B-A4B's hidden size and experts (128, top-8, moe_intermediate_size 704), "
-                            "Gemma4TextConfig's defaults otherwise, 6 layers"),
+                            "Gemma4TextConfig's defaults otherwise"),
 }
 TINY_SHAPES = dict(prefill=(2, 24), train=(2, 24))
 DECODE_BATCHES = (1, 8)
@@ -599,8 +599,12 @@ def plot(result: dict, path: Path) -> None:
     except Exception:
         return
     models = result["models"]
-    fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 3.6), squeeze=False)
-    for ax, res in zip(axes[0], models):
+    cols = min(len(models), 4)
+    grid = (len(models) + cols - 1) // cols
+    fig, axes = plt.subplots(grid, cols, figsize=(4.5 * cols, 3.6 * grid), squeeze=False)
+    for ax in axes.flat[len(models):]:
+        ax.set_visible(False)
+    for ax, res in zip(axes.flat, models):
         parts = [row["part"] for row in res["rows"]]
         modes = [mo for mo in MODES if mo != "eager" and any(mo in row["modes"] for row in res["rows"])]
         w = 0.8 / max(len(modes), 1)
@@ -668,15 +672,16 @@ def write(result: dict, out: Path) -> None:
 
 def merge(paths: list) -> dict:
     """One result from several model.json files (runs of different models, e.g. split over device calls): their
-    models in the given order, each keeping its own run's metadata (commit, date, rounds) under ``run``."""
+    models in the given order, each keeping its own run's metadata (commit, date, rounds) under ``run``. A file
+    that is itself a merge keeps its models' runs."""
     results = [json.loads(Path(p).read_text()) for p in paths]
     if not results:
         raise SystemExit("error: --merge needs at least one model.json")
     merged = dict(results[0], models=[])
     for r in results:
         for res in r["models"]:
-            merged["models"].append(dict(res, run=dict(meta=r["meta"], rounds=r["rounds"], reps=r["reps"],
-                                                       backend=r["backend"])))
+            run = res.get("run") or dict(meta=r["meta"], rounds=r["rounds"], reps=r["reps"], backend=r["backend"])
+            merged["models"].append(dict(res, run=run))
     return merged
 
 

@@ -122,6 +122,11 @@ def test_merge_and_partial_reports(tmp_path):
     md = bm.to_markdown(merged)
     assert "Commit b2, 2026-12-01, 4 rounds of 2 calls." in md and "Commit a1" not in md
     assert "**Partial:**" in bm.to_markdown(dict(merged, partial=True)) and "**Partial:**" not in md
+    # a merge of a merge keeps every model's own run
+    bm.write(merged, tmp_path / "m")
+    again = bm.merge([tmp_path / "m" / "model.json", tmp_path / "b2" / "model.json"])
+    assert [(m["model"], m["run"]["meta"]["commit"]) for m in again["models"]] == [("m1", "a1"), ("m2", "b2"),
+                                                                                   ("m2", "b2")]
 
 
 def test_each_compiled_model_has_its_own_frame_cache():
