@@ -169,6 +169,16 @@ MUTANTS = [
            "    if torch.is_grad_enabled() and any(",
            "    if False and any(",
            ("tests/kernel/test_experts_fused.py",)),
+    Mutant("scaled-norm-offset-one", "Gemma 4's norm runs the kernels with Gemma's 1 + w scale",
+           f"{PKG}/_rmsnorm.py",
+           "        return _run(x, w, eps if type(eps) is float else _as_float(eps, \"eps\"), 0.0)",
+           "        return _run(x, w, eps if type(eps) is float else _as_float(eps, \"eps\"), 1.0)",
+           ("tests/kernel/test_rmsnorm.py::test_scaled_layer_inference_and_training",)),
+    Mutant("scaled-norm-rsqrt-on-cpu", "Gemma 4's norm on CPU uses rsqrt where the host uses torch.pow(ms, -0.5)",
+           f"{PKG}/_rmsnorm.py",
+           "    y = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)",
+           "    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)",
+           ("tests/tools/test_transformers_rmsnorm.py",)),
 ]
 
 
