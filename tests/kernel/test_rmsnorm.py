@@ -379,11 +379,22 @@ def test_layer_rules_and_kernel_runs_in_inference_and_training(norm_impl, geglu,
         assert (p.grad - q.grad).abs().max().item() <= 1e-5 * q.grad.abs().max().item(), f"gradient of {pname}"
 
 
-def test_layer_under_compile_runs_the_hosts_math(norm_impl, geglu, build_dir, monkeypatch):
+def _compile_case(form, device):
+    """(model, reference, mapping, width) for a layer form: Gemma's blocks, or Gemma 4's norm with and without
+    weight."""
+    if form == "gemma":
+        return (*_models(device, torch.float32, _seed("layer-compile")), _mapping, 64)
+    mods = [_scaled_pair(device, torch.float32, _seed("scaled-compile", ws), ws) for ws in (True, False)]
+    return (torch.nn.Sequential(*(m for m, _ in mods)), torch.nn.Sequential(*(r for _, r in mods)),
+            _scaled_mapping, 48)
+
+
+@pytest.mark.parametrize("form", ["gemma", "scaled"])
+def test_layer_under_compile_runs_the_hosts_math(norm_impl, geglu, build_dir, monkeypatch, form):
     """Mode.TORCH_COMPILE: one graph with no opaque norm op (Inductor can fuse the host's math), eager's result."""
     name, device = norm_impl
-    model, ref = _models(device, torch.float32, _seed("layer-compile"))
-    with use_kernel_mapping(_mapping(build_dir, device)):
+    model, ref, mapping, width = _compile_case(form, device)
+    with use_kernel_mapping(mapping(build_dir, device)):
         kernelize(model, mode=Mode.INFERENCE | Mode.TORCH_COMPILE, device=device)
     calls = _Calls(geglu.__name__, monkeypatch)
     torch._dynamo.reset()
@@ -394,7 +405,7 @@ def test_layer_under_compile_runs_the_hosts_math(norm_impl, geglu, build_dir, mo
         return gm.forward  # the traced graph itself, run as eager ops
 
     compiled = torch.compile(model, fullgraph=True, backend=backend)
-    x = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(3)).to(device)
+    x = torch.randn(2, 9, width, generator=torch.Generator().manual_seed(3)).to(device)
     with torch.no_grad():
         y = compiled(x)
         assert torch.equal(y, ref(x))
@@ -477,28 +488,6 @@ def test_scaled_layer_inference_and_training(norm_impl, geglu, build_dir, monkey
     w = mod.weight.detach() if with_scale else torch.ones(48, device=device)
     assert_fwd_bound(y.detach(), x, w, EPS, 0.0, what=f"seed {seed}")
     assert_bwd_bound(xa.grad, dw, x, w, dy, EPS, 0.0, what=f"seed {seed}")
-
-
-def test_scaled_layer_under_compile_runs_the_hosts_math(norm_impl, geglu, build_dir, monkeypatch):
-    name, device = norm_impl
-    mods = [_scaled_pair(device, torch.float32, _seed("scaled-compile", ws), ws) for ws in (True, False)]
-    model, ref = torch.nn.Sequential(*(m for m, _ in mods)), torch.nn.Sequential(*(r for _, r in mods))
-    with use_kernel_mapping(_scaled_mapping(build_dir, device)):
-        kernelize(model, mode=Mode.INFERENCE | Mode.TORCH_COMPILE, device=device)
-    calls = _Calls(geglu.__name__, monkeypatch)
-    torch._dynamo.reset()
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
-        return gm.forward
-
-    compiled = torch.compile(model, fullgraph=True, backend=backend)
-    x = torch.randn(2, 9, 48, generator=torch.Generator().manual_seed(5)).to(device)
-    with torch.no_grad():
-        assert torch.equal(compiled(x), ref(x))
-    assert len(graphs) == 1 and not any("rms_norm" in op for op in graphs[0]), graphs
-    assert calls.take() == {}
 
 
 def test_scaled_layer_keeps_the_hosts_math_for_other_dtypes(norm_impl, geglu, build_dir, monkeypatch):
