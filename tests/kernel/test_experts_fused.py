@@ -12,6 +12,7 @@ kernel's output as its gate.
 """
 
 import importlib
+import weakref
 
 import pytest
 import torch
@@ -179,6 +180,41 @@ def test_fused_block_is_transformers_grouped_mm_around_the_kernel(geglu, et, exp
         ref = type(mod).forward(mod, x, idx, w)
     assert len(calls) == 1 and torch.equal(y, y2)
     assert torch.equal(y, ref), f"{(y != ref).sum().item()} of {y.numel()} differ"
+
+
+def test_fused_block_releases_its_buffers_early(geglu, et, experts_mod, monkeypatch):
+    """The sorted rows are released before the down projection and h and the down projection's output before the
+    un-permute, so that the block's peak memory stays below transformers' (which keeps all three to its end)."""
+    mlp_mod = importlib.import_module(geglu.__name__ + "._mlp")
+    _always(monkeypatch, mlp_mod, True, [])
+    refs, alive = {}, {}
+    kernel, down, empty_like = et.grouped_gate_up_geglu, experts_mod.grouped_mm, torch.empty_like
+
+    def kernel_spy(x, *args, **kwargs):
+        refs["rows"] = weakref.ref(x)
+        h = kernel(x, *args, **kwargs)
+        refs["h"] = weakref.ref(h)
+        return h
+
+    def down_spy(h, w, offsets):
+        alive["rows"] = refs["rows"]() is not None
+        out = down(h, w, offsets)
+        refs["out"] = weakref.ref(out)
+        return out
+
+    def empty_like_spy(t, *args, **kwargs):
+        if "out" in refs and "h" not in alive:  # the block's inverse permutation
+            alive["h"], alive["out"] = refs["h"]() is not None, refs["out"]() is not None
+        return empty_like(t, *args, **kwargs)
+
+    monkeypatch.setattr(et, "grouped_gate_up_geglu", kernel_spy)
+    monkeypatch.setattr(experts_mod, "grouped_mm", down_spy)
+    monkeypatch.setattr(torch, "empty_like", empty_like_spy)
+    mod = _gemma4_experts()
+    x, idx, w = _routing(mod, 40)
+    with torch.no_grad():
+        _layer_forward(geglu, mod, x, idx, w)
+    assert alive == {"rows": False, "h": False, "out": False}, alive
 
 
 def test_fused_block_only_where_the_rule_allows(geglu, experts_mod, monkeypatch):

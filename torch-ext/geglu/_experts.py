@@ -84,7 +84,9 @@ def _plain_grouped(experts) -> bool:
 
 def _fused_block(experts, hidden_states, top_k_index, top_k_weights, tanh: bool) -> torch.Tensor:
     """transformers' grouped_mm experts forward, op for op, with the first grouped GEMM and the gate as one kernel
-    (`_experts_triton.grouped_gate_up_geglu`)."""
+    (`_experts_triton.grouped_gate_up_geglu`). Each [S, ...] buffer is released once the next one exists: at the
+    block's peak transformers holds the sorted rows, the down projection's output and two weighted copies of it
+    ([S, hidden] each), this block only the two weighted copies."""
     from . import _experts_triton
 
     num_top_k = top_k_index.size(-1)
@@ -92,8 +94,11 @@ def _fused_block(experts, hidden_states, top_k_index, top_k_weights, tanh: bool)
     perm, x_g, offsets = sorted_rows(hidden_states, top_k_index, experts.num_experts)
     weights_g = top_k_weights.reshape(-1)[perm]
     h = _experts_triton.grouped_gate_up_geglu(x_g, experts.gate_up_proj, offsets, tanh)
+    del x_g
     out = grouped_mm(h, experts.down_proj.transpose(-2, -1), offsets)
-    weighted = out * weights_g.unsqueeze(-1)
+    del h
+    weighted = out * weights_g.unsqueeze(-1)  # not in place: fp32 routing weights promote the product to fp32
+    del out
     inv_perm = torch.empty_like(perm)
     inv_perm[perm] = torch.arange(perm.size(0), device=perm.device)
     return weighted[inv_perm].view(num_tokens, num_top_k, hidden_dim).sum(dim=1).to(hidden_states.dtype)
