@@ -323,10 +323,10 @@ def _unit_scale(x: Tensor):
 def scaled_layer_forward(x: Tensor, weight, eps: float) -> Tensor:
     """``Gemma3nRMSNorm.forward`` outside torch.compile: the kernels for a plain eager call of CUDA tensors (and of
     CPU tensors under the 'triton' backend), the host's own math for anything else."""
-    w = weight if weight is not None else (_unit_scale(x) if x.dim() > 0 else None)
-    if (w is not None and (x.is_cuda or (x.is_cpu and _backend.get_backend() == "triton"))
-            and _plain_eager(x, w) and _ok(x, w)):
-        return _run(x, w, eps if type(eps) is float else _as_float(eps, "eps"), 0.0)
+    if (x.is_cuda or (x.is_cpu and _backend.get_backend() == "triton")) and x.dim() > 0:
+        w = weight if weight is not None else _unit_scale(x)
+        if w is not None and _plain_eager(x, w) and _ok(x, w):
+            return _run(x, w, eps if type(eps) is float else _as_float(eps, "eps"), 0.0)
     return scaled_host_forward(x, weight, eps)
 
 

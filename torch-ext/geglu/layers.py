@@ -348,7 +348,7 @@ class GemmaRMSNorm(nn.Module):
 
 class Gemma3nRMSNorm(nn.Module):
     """Replaces transformers' ``Gemma3nRMSNorm`` and the classes with its forward (Gemma 4, Gemma 4 unified,
-    EmbeddingGemma 2, DiffusionGemma): ``(x.float() * pow(mean(x.float()^2, -1) + eps, -0.5) * weight.float())
+    EmbeddingGemma 2, DiffusionGemma, NeoMME): ``(x.float() * pow(mean(x.float()^2, -1) + eps, -0.5) * weight.float())
     .type_as(x)``, the scale being the weight itself, and no scale at all when ``with_scale`` is False (v_norm, the
     router's norm). On CUDA the fused kernels (as :class:`GemmaRMSNorm`'s, with offset 0); on CPU and under
     torch.compile the host's own math."""
