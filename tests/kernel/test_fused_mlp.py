@@ -14,6 +14,8 @@ that is eager's computation (the regular path, the training node, the compiled o
 """
 
 import importlib
+import os
+import sys
 
 import pytest
 import torch
@@ -564,6 +566,43 @@ def test_opcheck(geglu, mlp):
     dy = torch.randn_like(y)
     for need in ((True, True, True, True), (False, True, False, True), (True, False, False, False)):
         torch.library.opcheck(geglu.ops.geglu_mlp_train_backward.default, (dy, x, wg, wu, wd, g, u, h, "tanh", *need))
+
+
+def _python_frames(fn):
+    """The files of the Python functions entered while ``fn()`` runs (sys.setprofile)."""
+    files = []
+
+    def prof(frame, event, arg):
+        if event == "call":
+            files.append(frame.f_code.co_filename)
+
+    sys.setprofile(prof)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return files
+
+
+def test_compiled_graphs_call_the_mlp_ops_without_python_wrappers(geglu, mlp):
+    """A compiled graph calls the inference op once per MLP layer: the dispatcher must go straight to our
+    implementation, with none of torch.library.custom_op's Python layers around it (its autograd kernel and output
+    alias check, ~5 µs a call on the build machine: `_library.py`). The training op keeps its autograd kernel and
+    nothing else."""
+    x, wg, wu, wd = _data(24, 32, 48, torch.bfloat16)
+    with torch.no_grad():
+        frames = _python_frames(lambda: geglu.ops.geglu_mlp.default(x, wg, wu, wd, "tanh"))
+    assert any(f.endswith("_mlp.py") for f in frames), frames  # our implementation ran
+    assert not [f for f in frames if f"torch{os.sep}_library" in f], frames
+    leaves = [t.clone().requires_grad_() for t in (x, wg, wu, wd)]
+    with torch.no_grad():
+        frames = _python_frames(lambda: geglu.ops.geglu_mlp_train.default(*leaves, "tanh"))
+    library = {os.path.basename(f) for f in frames if f"torch{os.sep}_library" in f}
+    assert "autograd.py" in library and "custom_ops.py" not in library, library
+    y, g, u, h = geglu.ops.geglu_mlp_train(x, wg, wu, wd, "tanh")
+    frames = _python_frames(lambda: geglu.ops.geglu_mlp_train_backward.default(
+        torch.ones_like(y), x, wg, wu, wd, g, u, h, "tanh", True, True, True, True))
+    assert not [f for f in frames if f"torch{os.sep}_library" in f], frames
 
 
 def test_training_ops_equal_the_eager_node(geglu, mlp):

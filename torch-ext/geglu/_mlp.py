@@ -42,10 +42,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import _backend, _config
+from . import _backend, _config, _library
 from . import _custom_ops as _pw
 from ._checks import check_approximate, is_tanh
-from ._ops import add_op_namespace_prefix
 
 # M <= DECODE_MAX_M rows: cuBLAS + the pointwise kernel (the fused kernel's smallest tile is 64 rows, and decode is
 # bound by reading the weights, which both paths do once).
@@ -446,7 +445,7 @@ def _check(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, approximate:
                          "(nn.Linear(H, D_out).weight).")
 
 
-@torch.library.custom_op(add_op_namespace_prefix("geglu_mlp"), mutates_args=())
+@_library.op("geglu_mlp")
 def geglu_mlp_op(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, approximate: str) -> Tensor:
     """The MLP forward without a gradient (:func:`inference`: the fused path's choice is made here, at run time)."""
     _check(x, w_gate, w_up, w_down, approximate)
@@ -466,7 +465,7 @@ def _rows(x: Tensor) -> int:
     return n
 
 
-@torch.library.custom_op(add_op_namespace_prefix("geglu_mlp_train"), mutates_args=())
+@_library.op("geglu_mlp_train")
 def geglu_mlp_train(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
                     approximate: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """The training forward: (y, g, u, h), with g, u, h [M, H] the activations the backward needs (the default
@@ -492,7 +491,7 @@ def _(x, w_gate, w_up, w_down, approximate):
 _EMPTY = (0,)
 
 
-@torch.library.custom_op(add_op_namespace_prefix("geglu_mlp_train_backward"), mutates_args=())
+@_library.op("geglu_mlp_train_backward")
 def geglu_mlp_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, g: Tensor,
                              u: Tensor, h: Tensor, approximate: str, need_x: bool, need_wg: bool, need_wu: bool,
                              need_wd: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
