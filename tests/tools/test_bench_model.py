@@ -50,6 +50,7 @@ import collections, json, sys
 from pathlib import Path
 import torch
 from kernels import Mode, kernelize
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from kerneltools.bench import model as bm
 from kerneltools.transformers_kernels import DEFAULT_REPO_ID
 
@@ -64,7 +65,12 @@ def compiled_ops(model, kwargs):
     torch._dynamo.reset()
     with torch.no_grad():
         torch.compile(model.forward, backend=backend, fullgraph=True)(**kwargs)
-    return collections.Counter(op for g in graphs for op in g)
+    (entry,) = _debug_get_cache_entry_list(model.forward.__func__.__code__)
+    # the guards Dynamo evaluates in Python (not in its C++ guard tree), without their source comments
+    python_guards = [line.split("LAMBDA_GUARD: ", 1)[1].split("  #", 1)[0]
+                     for line in str(entry.guard_manager).splitlines() if "LAMBDA_GUARD: " in line]
+    return dict(ops=collections.Counter(op for g in graphs for op in g), python_guards=python_guards,
+                bound=sum("forward" in m.__dict__ for m in model.modules()))
 
 
 out = {}
@@ -80,6 +86,21 @@ print(json.dumps(out))
 """
 
 
+_COMPILED_MODELS = ["t5-v1.1-base", "modernbert-base", "gemma3-4b"]
+_COMPILED = {}
+
+
+def _compiled(build_dir) -> dict:
+    """Per model: the compiled graphs' ops, Python guards and bound forwards of the eager and the kernelized model
+    (run once per test session)."""
+    if not _COMPILED:
+        proc = subprocess.run([sys.executable, "-c", _GRAPH_OPS, str(build_dir), *_COMPILED_MODELS], cwd=REPO_ROOT,
+                              capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        _COMPILED.update(json.loads(proc.stdout.splitlines()[-1]))
+    return _COMPILED
+
+
 def test_compiled_graph_is_the_hosts_but_for_the_fused_mlp(build_dir):
     """Under torch.compile a kernelized model traces to the host's graph op for op, except that each Gemma MLP
     (GeGLUMLP over plain projections) is one fused-MLP op of ours in place of its projections and GeGLU: the
@@ -87,13 +108,9 @@ def test_compiled_graph_is_the_hosts_but_for_the_fused_mlp(build_dir):
     process: building the models registers the kernel mapping and points LOCAL_KERNELS at the build.)"""
     import collections
 
-    models = ["t5-v1.1-base", "modernbert-base", "gemma3-4b"]
-    proc = subprocess.run([sys.executable, "-c", _GRAPH_OPS, str(build_dir), *models], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.splitlines()[-1])
-    for name in models:
-        host, ours = collections.Counter(res[name]["eager"]), collections.Counter(res[name]["kernelized"])
+    res = _compiled(build_dir)
+    for name in _COMPILED_MODELS:
+        host, ours = collections.Counter(res[name]["eager"]["ops"]), collections.Counter(res[name]["kernelized"]["ops"])
         mine = {op: n for op, n in ours.items() if ".geglu" in op}
         if name != "gemma3-4b":
             assert ours == host and not mine, (name, ours - host, host - ours)
@@ -102,6 +119,26 @@ def test_compiled_graph_is_the_hosts_but_for_the_fused_mlp(build_dir):
         assert list(mine.values()) == [mlps] and next(iter(mine)).endswith("geglu_mlp.default"), mine
         # each MLP's three projections and its GeGLU (gelu, mul) are what the op replaced
         assert sum((host - ours).values()) == 5 * mlps and not set(ours - host) - set(mine), (host - ours, ours - host)
+
+
+def test_layers_add_no_python_guard_per_module_under_compile(build_dir):
+    """Dynamo evaluates some guards in Python on every call of a compiled model; a host-bound compiled model (T5
+    v1.1 base's prefill on the H200) pays each of them. kernelize binds a forward to every module it maps or falls
+    back on (kernels' ``_replace_forward``), and Dynamo checks each bound method's ``__self__`` in Python: one guard
+    per bound module, kernels' cost. Our layers' code must add none per module (``type(act).__name__`` in traced
+    code made one per activation instance), only a fixed few for the package's own module globals."""
+    import re
+
+    res = _compiled(build_dir)
+    for name in _COMPILED_MODELS:
+        host, ours = res[name]["eager"]["python_guards"], res[name]["kernelized"]["python_guards"]
+        bound = [g for g in ours if g.endswith(".forward.__self__")]
+        # (at most one per bound module: the activations of the fused MLP op are bound but never called)
+        assert 0 < len(bound) <= res[name]["kernelized"]["bound"] and res[name]["eager"]["bound"] == 0, (name, bound)
+        per_module = [g for g in ours if g not in bound and g not in host and "L['" in g]
+        assert not per_module, (name, per_module)
+        globals_ = [g for g in ours if g not in bound and g not in host]
+        assert len(globals_) <= 12 and all(re.match(r"G\[", g) for g in globals_), (name, globals_)
 
 
 def test_merge_and_partial_reports(tmp_path):

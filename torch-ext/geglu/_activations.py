@@ -24,6 +24,15 @@ def gelu_approximation(act) -> Optional[str]:
         return act.approximate if act.approximate in APPROXIMATIONS else None
     if act is torch.nn.functional.gelu:
         return "none"
+    return _by_class_name(act)
+
+
+@torch.compiler.assume_constant_result
+def _by_class_name(act) -> Optional[str]:
+    """The flavour of a transformers activation module, by its class's name. A constant under torch.compile, guarded
+    by the module's identity: traced, ``type(act).__name__`` made Dynamo add a Python guard per activation instance
+    (``type(a) is type(b)`` for every pair of modules of one class), evaluated on every call of the compiled
+    model."""
     name = type(act).__name__
     if name in TANH_CLASSES:
         return "tanh"

@@ -26,8 +26,10 @@ def gated(act, gate: torch.Tensor, up: torch.Tensor, inplace_backward: bool = Tr
     product with their neighbours into one pointwise kernel, as fast as ours and without the opaque call between
     them; the layers' fused MLP stays an op. The kernel's backward writes the gradients over ``gate`` and ``up``
     (projection outputs that nothing else reads) unless ``inplace_backward=False``."""
+    if _is_compiling():
+        return act(gate) * up
     approximate = gelu_approximation(act)
-    if approximate is None or _is_compiling():
+    if approximate is None:
         return act(gate) * up
     return geglu(gate, up, approximate, inplace_backward=inplace_backward)
 
@@ -35,8 +37,8 @@ def gated(act, gate: torch.Tensor, up: torch.Tensor, inplace_backward: bool = Tr
 def gated_packed(act, x: torch.Tensor, act_first: bool, inplace_backward: bool = True) -> torch.Tensor:
     """``act(a) * b`` (``act_first``) or ``a * act(b)`` of ``a, b = x.chunk(2, -1)``, like :func:`gated` (the
     backward writes its gradient over ``x`` unless ``inplace_backward=False``)."""
-    approximate = gelu_approximation(act)
-    if approximate is None or _is_compiling():
+    approximate = None if _is_compiling() else gelu_approximation(act)
+    if approximate is None:
         a, b = x.chunk(2, dim=-1)
         return act(a) * b if act_first else a * act(b)
     return geglu_packed(x, approximate, act_first=act_first, inplace_backward=inplace_backward)
