@@ -175,3 +175,26 @@ def test_small_cuda_training_step_equals_eager_bitwise(build_dir, act):
     assert torch.equal(x.grad, x_ref.grad)
     for (name, p), p_ref in zip(model.named_parameters(), ref_model.parameters()):
         assert torch.equal(p.grad, p_ref.grad), name
+
+
+def test_gelu_approximation_by_class(geglu):
+    """transformers' activation classes count by name, classes of those names from elsewhere are learned on their
+    first call (and their subclasses then count as them), and nothing else is a GELU."""
+    acts = importlib.import_module(geglu.__name__ + "._activations")
+
+    NewGELUActivation = type("NewGELUActivation", (nn.Module,), {"forward": lambda self, x: x})
+    GELUActivation = type("GELUActivation", (nn.Module,), {"forward": lambda self, x: x})
+    Other = type("ClippedGELUActivation", (nn.Module,), {"forward": lambda self, x: x})
+    assert NewGELUActivation not in acts._TANH_TYPES
+    assert acts.gelu_approximation(NewGELUActivation()) == "tanh"
+    assert NewGELUActivation in acts._TANH_TYPES
+    assert acts.gelu_approximation(type("Sub", (NewGELUActivation,), {})()) == "tanh"
+    assert acts.gelu_approximation(GELUActivation()) == "none" and GELUActivation in acts._ERF_TYPES
+    assert acts.gelu_approximation(Other()) is None and Other not in acts._TANH_TYPES + acts._ERF_TYPES
+    assert acts.gelu_approximation(nn.GELU()) == "none" and acts.gelu_approximation(nn.GELU("tanh")) == "tanh"
+    assert acts.gelu_approximation(F.gelu) == "none" and acts.gelu_approximation(nn.SiLU()) is None
+    transformers = pytest.importorskip("transformers.activations")
+    acts._scan_transformers()  # what loading the module does once transformers' activations are imported
+    for name in ("GELUTanh", "NewGELUActivation", "FastGELUActivation", "AccurateGELUActivation"):
+        assert getattr(transformers, name) in acts._TANH_TYPES, name
+    assert transformers.GELUActivation in acts._ERF_TYPES
