@@ -69,7 +69,7 @@ def compiled_ops(model, kwargs):
     # the guards Dynamo evaluates in Python (not in its C++ guard tree), without their source comments
     python_guards = [line.split("LAMBDA_GUARD: ", 1)[1].split("  #", 1)[0]
                      for line in str(entry.guard_manager).splitlines() if "LAMBDA_GUARD: " in line]
-    return dict(ops=collections.Counter(op for g in graphs for op in g), python_guards=python_guards,
+    return dict(ops=[op for g in graphs for op in g], python_guards=python_guards,
                 bound=sum("forward" in m.__dict__ for m in model.modules()))
 
 
@@ -102,19 +102,20 @@ def _compiled(build_dir) -> dict:
 
 
 def test_compiled_graph_is_the_hosts_but_for_the_fused_mlp(build_dir):
-    """Under torch.compile a kernelized model traces to the host's graph op for op, except that each Gemma MLP
-    (GeGLUMLP over plain projections) is one fused-MLP op of ours in place of its projections and GeGLU: the
+    """Under torch.compile a kernelized model traces to the host's graph op for op and in its order, except that
+    each Gemma MLP (GeGLUMLP over plain projections) is one fused-MLP op of ours in place of its projections and
+    GeGLU: the
     pointwise layers (T5, ModernBERT) and the norms run the host's math there, which Inductor fuses. (In a fresh
     process: building the models registers the kernel mapping and points LOCAL_KERNELS at the build.)"""
     import collections
 
     res = _compiled(build_dir)
     for name in _COMPILED_MODELS:
+        if name != "gemma3-4b":  # the host's ops in the host's order (Inductor schedules by it)
+            assert res[name]["kernelized"]["ops"] == res[name]["eager"]["ops"], name
+            continue
         host, ours = collections.Counter(res[name]["eager"]["ops"]), collections.Counter(res[name]["kernelized"]["ops"])
         mine = {op: n for op, n in ours.items() if ".geglu" in op}
-        if name != "gemma3-4b":
-            assert ours == host and not mine, (name, ours - host, host - ours)
-            continue
         mlps = res[name]["layers"]
         assert list(mine.values()) == [mlps] and next(iter(mine)).endswith("geglu_mlp.default"), mine
         # each MLP's three projections and its GeGLU (gelu, mul) are what the op replaced

@@ -34,6 +34,16 @@ def gated(act, gate: torch.Tensor, up: torch.Tensor, inplace_backward: bool = Tr
     return geglu(gate, up, approximate, inplace_backward=inplace_backward)
 
 
+def gated_proj(act, gate: torch.Tensor, up_proj, x: torch.Tensor, inplace_backward: bool = True) -> torch.Tensor:
+    """``act(gate) * up_proj(x)`` like :func:`gated`; under torch.compile in the host's order (the activation before
+    the up projection, as the hosts write it), so that the traced graph is the host's op for op and Inductor
+    schedules it as it does the unkernelized model."""
+    if _is_compiling():
+        activated = act(gate)
+        return activated * up_proj(x)
+    return gated(act, gate, up_proj(x), inplace_backward)
+
+
 def gated_packed(act, x: torch.Tensor, act_first: bool, inplace_backward: bool = True) -> torch.Tensor:
     """``act(a) * b`` (``act_first``) or ``a * act(b)`` of ``a, b = x.chunk(2, -1)``, like :func:`gated` (the
     backward writes its gradient over ``x`` unless ``inplace_backward=False``)."""
@@ -109,7 +119,7 @@ class GeGLUMLP(nn.Module):
             return _mlp.geglu_mlp(x, gate_proj.weight, up_proj.weight, down_proj.weight, approximate, act)
         # projections that are modules of their own (quantized, adapted, with hooks or a bias, sharded): their
         # forward, then our GeGLU (or the host's activation when it is not a GELU the kernel computes)
-        return down_proj(gated(act, gate_proj(x), up_proj(x)))
+        return down_proj(gated_proj(act, gate_proj(x), up_proj, x))
 
 
 class GeGLUMLPWithDropout(nn.Module):
@@ -129,7 +139,7 @@ class GeGLUMLPWithDropout(nn.Module):
     dropout: nn.Module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.dropout(gated(self.act_fn, self.gate_proj(x), self.up_proj(x))))
+        return self.down_proj(self.dropout(gated_proj(self.act_fn, self.gate_proj(x), self.up_proj, x)))
 
 
 class Gemma3nGeGLUMLP(nn.Module):
@@ -155,7 +165,7 @@ class Gemma3nGeGLUMLP(nn.Module):
         sparse = self.activation_sparsity > 0.0
         if sparse:
             gate = self._gaussian_topk(gate)
-        return self.down_proj(gated(self.act_fn, gate, self.up_proj(hidden_states), inplace_backward=not sparse))
+        return self.down_proj(gated_proj(self.act_fn, gate, self.up_proj, hidden_states, inplace_backward=not sparse))
 
 
 class T5GeGLUDense(nn.Module):
@@ -176,7 +186,7 @@ class T5GeGLUDense(nn.Module):
     act: nn.Module
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.dropout(gated(self.act, self.wi_0(hidden_states), self.wi_1(hidden_states)))
+        hidden_states = self.dropout(gated_proj(self.act, self.wi_0(hidden_states), self.wi_1, hidden_states))
         weight = self.wo.weight
         if isinstance(weight, torch.Tensor) and hidden_states.dtype != weight.dtype and weight.dtype != torch.int8:
             hidden_states = hidden_states.to(weight.dtype)
@@ -197,7 +207,7 @@ class LongT5GeGLUDense(nn.Module):
     act: nn.Module
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.wo(self.dropout(gated(self.act, self.wi_0(hidden_states), self.wi_1(hidden_states))))
+        return self.wo(self.dropout(gated_proj(self.act, self.wi_0(hidden_states), self.wi_1, hidden_states)))
 
 
 class ModernBertGeGLUMLP(nn.Module):
@@ -261,7 +271,7 @@ class CpmAntGeGLU(nn.Module):
     act: nn.Module
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return gated(self.act, self.w_0(hidden_states), self.w_1(hidden_states))
+        return gated_proj(self.act, self.w_0(hidden_states), self.w_1, hidden_states)
 
 
 
