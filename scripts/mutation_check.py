@@ -91,10 +91,8 @@ MUTANTS = [
            (NUMERICS,)),
     Mutant("kernel-never-called", "layers never recognise a GELU (the host's own code always runs)",
            f"{PKG}/_activations.py",
-           "    \"\"\"'none' (erf) or 'tanh' when ``act`` is a GELU the kernels compute, else None (the host's own code "
-           "runs).\"\"\"\n",
-           "    \"\"\"'none' (erf) or 'tanh' when ``act`` is a GELU the kernels compute, else None (the host's own code "
-           "runs).\"\"\"\n    return None\n",
+           "    if isinstance(act, torch.nn.GELU):\n",
+           "    return None\n    if isinstance(act, torch.nn.GELU):\n",
            ("tests/kernel/test_layers.py",)),
     Mutant("fused-rule-ignored", "the MLP's inference path takes the fused kernel whatever the timing rule said",
            f"{PKG}/_mlp.py",
