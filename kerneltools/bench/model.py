@@ -20,7 +20,8 @@ of Dynamo graphs over a sweep of sequence lengths.
 
 Parts: ``prefill`` (batch x seq tokens, with the KV cache, logits of the last position as ``generate`` computes
 them; encoders: the whole forward), ``decode`` (greedy ``generate`` of ``--new-tokens`` tokens at batch 1 and 8
-after a short prompt; not for encoders), ``train`` (forward, backward and an AdamW step).
+after a short prompt; not for encoders; the compile modes only with ``--compile-decode``: ``generate`` with a static
+cache, compiling its decoding step), ``train`` (forward, backward and an AdamW step).
 
     python -m kerneltools bench --model gemma3-4b [--model t5-v1.1-base ...] [--parts prefill,decode,train]
         [--modes eager,kernelized,compile,kernelized+compile] [--rounds 5] [--out DIR]
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import gc
 import json
 import os
@@ -147,6 +149,7 @@ class Setup:
     optimizers: dict = field(default_factory=dict)
     new_tokens: int = 32
     kernelized_mode: Any = None  # the Mode the kernelized model was last kernelized with
+    backend: str = "inductor"  # torch.compile backend of the compile modes
 
 
 def build_models(spec: ModelSpec, build_dir: Path, device: str, dtype, tiny: bool, backend: str,
@@ -170,7 +173,8 @@ def build_models(spec: ModelSpec, build_dir: Path, device: str, dtype, tiny: boo
     eager.eval()
     kern = copy.deepcopy(eager)
     kernelize(kern, mode=Mode.INFERENCE, device=device)
-    s = Setup(spec, device, dtype, tiny, models={"eager": eager, "kernelized": kern}, kernelized_mode=Mode.INFERENCE)
+    s = Setup(spec, device, dtype, tiny, models={"eager": eager, "kernelized": kern}, kernelized_mode=Mode.INFERENCE,
+              backend=backend)
     for name, m in s.models.items():
         s.compiled[name] = torch.compile(own_code(m.forward), backend=backend)
     return s
@@ -195,11 +199,12 @@ def _mode_model(s: Setup, mode: str):
 
 
 @contextlib.contextmanager
-def _as_mode(s: Setup, mode: str):
-    """The module to call for ``mode``: compiled modes swap the compiled forward in for the duration (so that
-    ``generate`` and the loss computation inside the forward run compiled too)."""
+def _as_mode(s: Setup, mode: str, swap: bool = True):
+    """The module to call for ``mode``: compiled modes swap the compiled forward in for the duration (so that the
+    loss computation inside the forward runs compiled too); ``swap=False`` (decode: ``generate`` compiles its own
+    decoding step) leaves the model as it is."""
     m = _mode_model(s, mode)
-    if "compile" in mode:
+    if swap and "compile" in mode:
         m.forward = s.compiled["kernelized" if mode.startswith("kernelized") else "eager"]
         try:
             yield m
@@ -250,17 +255,17 @@ def make_part(s: Setup, part: str, batch: int | None = None):
         b, n = TINY_SHAPES["prefill"] if s.tiny else spec.prefill
         ids = _ids(s, b, n)
         if spec.kind == "causal":
-            def fn(m):
+            def fn(m, compiled=False):
                 with torch.no_grad():
                     return m(input_ids=ids, use_cache=True, logits_to_keep=1).logits
         elif spec.kind == "seq2seq":
             dec = torch.zeros(b, 1, dtype=torch.long, device=s.device)
 
-            def fn(m):
+            def fn(m, compiled=False):
                 with torch.no_grad():
                     return m(input_ids=ids, decoder_input_ids=dec, use_cache=True).logits
         else:
-            def fn(m):
+            def fn(m, compiled=False):
                 with torch.no_grad():
                     return m(input_ids=ids).logits
         return fn, b * n, False
@@ -268,16 +273,19 @@ def make_part(s: Setup, part: str, batch: int | None = None):
         new = s.new_tokens
         prompt = _ids(s, batch, 16)
 
-        def fn(m):
+        def fn(m, compiled=False):
+            # compiled: what transformers documents for a compiled generate, a static cache, with which generate
+            # compiles its decoding step itself (CompileConfig: mode "reduce-overhead", CUDA graphs, on GPUs)
+            cache = dict(cache_implementation="static", compile_config=_compiled_generate(s, m)) if compiled else {}
             with torch.no_grad():
                 return m.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new,
-                                  min_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None)
+                                  min_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None, **cache)
         return fn, batch * new, False
     if part == "train":
         kwargs = _train_kwargs(s)
         b, n = kwargs["input_ids"].shape
 
-        def fn(m):
+        def fn(m, compiled=False):
             opt = s.optimizers[id(m)]
             loss = m(**kwargs).loss
             loss.backward()
@@ -286,6 +294,28 @@ def make_part(s: Setup, part: str, batch: int | None = None):
             return loss
         return fn, b * n, True
     raise ValueError(f"unknown part {part!r}; expected one of {', '.join(PARTS)}")
+
+
+def _compiled_generate(s: Setup, m):
+    """The ``compile_config`` for ``generate`` with a static cache, with which it runs its decoding steps through
+    the model's compiled call: transformers' ``CompileConfig`` (mode "reduce-overhead" with Inductor) on the
+    ``--backend``, the call compiled from a code object of the model's own (``own_code``: ``nn.Module.__call__`` is
+    one code object for every module, and Dynamo keeps compiled frames per code object). Made once per model; set
+    to compile on every device (on CPU generate would not compile by itself)."""
+    cfg = getattr(m, "_last_compile_config", None)
+    if cfg is not None and getattr(m, "_compiled_call", None) is not None:
+        return cfg
+    import torch
+    from transformers import CompileConfig
+
+    # dynamic=False: static shapes (the cache's are), one graph per shape; automatic dynamic shapes would carry
+    # over between the two models (Dynamo keys that state by source location, not code object)
+    cfg = CompileConfig(backend=s.backend, mode="reduce-overhead" if s.backend == "inductor" else None,
+                        dynamic=False)
+    cfg._compile_all_devices = True
+    m._compiled_call = torch.compile(own_code(m.__call__), **cfg.to_dict())
+    m._last_compile_config = cfg
+    return cfg
 
 
 def _sync(s: Setup) -> None:
@@ -331,23 +361,30 @@ def run_part(s: Setup, part: str, modes: list, rounds: int, reps: int, batch: in
     """Times one part in interleaved rounds for every mode; returns its row."""
     import torch
 
+    from torch._dynamo.utils import counters
+
     fn, tokens, training = make_part(s, part, batch)
-    first, peaks, times = {}, {}, {mode: [] for mode in modes}
+    first, peaks, graphs, times = {}, {}, {}, {mode: [] for mode in modes}
     for m in s.models.values():
         m.train(training)
         if training and id(m) not in s.optimizers:
             s.optimizers[id(m)] = torch.optim.AdamW(m.parameters(), lr=1e-6)
+    swap = part != "decode"
     for mode in modes:  # first call (compilation, the fused path's one-time timing), then a warm-up
         _kernelize_for(s, mode, training)
-        with _as_mode(s, mode) as m:
-            first[mode] = round(_time_once(s, fn, m), 3)
-            _time_once(s, fn, m)
-            peaks[mode] = _peak_mib(s, fn, m)
+        call = functools.partial(fn, compiled="compile" in mode)
+        made = counters["stats"]["unique_graphs"]
+        with _as_mode(s, mode, swap) as m:
+            first[mode] = round(_time_once(s, call, m), 3)
+            _time_once(s, call, m)
+            peaks[mode] = _peak_mib(s, call, m)
+        graphs[mode] = int(counters["stats"]["unique_graphs"] - made)
     for r in range(rounds):
         for mode in round_order(list(modes), r):
             _kernelize_for(s, mode, training)
-            with _as_mode(s, mode) as m:
-                times[mode].append(median([_time_once(s, fn, m) for _ in range(reps)]))
+            call = functools.partial(fn, compiled="compile" in mode)
+            with _as_mode(s, mode, swap) as m:
+                times[mode].append(median([_time_once(s, call, m) for _ in range(reps)]))
     label = part if batch is None else f"{part} b{batch}"
     row = dict(part=label, tokens=tokens, modes={})
     vs_eager, vs_compile = _ratios(times, "eager"), _ratios(times, "compile")
@@ -355,7 +392,7 @@ def run_part(s: Setup, part: str, modes: list, rounds: int, reps: int, batch: in
         t = median(times[mode])
         row["modes"][mode] = dict(ms=round(t * 1e3, 2), tokens_per_s=round(tokens / t, 1),
                                   vs_eager=vs_eager.get(mode), vs_compile=vs_compile.get(mode),
-                                  first_call_s=first[mode], peak_mib=peaks[mode])
+                                  first_call_s=first[mode], peak_mib=peaks[mode], new_graphs=graphs[mode])
     log(f"{s.spec.name} {label}: " + ", ".join(
         f"{mode} {row['modes'][mode]['ms']} ms ({row['modes'][mode]['vs_eager']})" for mode in modes))
     for m in s.models.values():
@@ -427,8 +464,9 @@ def profile_part(s: Setup, part: str, modes: list, batch: int | None = None) -> 
         m.train(training)
     for mode in modes:
         _kernelize_for(s, mode, training)
-        with _as_mode(s, mode) as m:
-            fn(m)
+        compiled = "compile" in mode
+        with _as_mode(s, mode, part != "decode") as m:
+            fn(m, compiled)
             _sync(s)
             nodes = None
             if training and "compile" not in mode:
@@ -439,7 +477,7 @@ def profile_part(s: Setup, part: str, modes: list, batch: int | None = None) -> 
                 s.optimizers[id(m)].zero_grad(set_to_none=True)
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if s.device == "cuda" else [])
             with profile(activities=acts) as prof:
-                fn(m)
+                fn(m, compiled)
                 _sync(s)
         cats, kernels_, spans = {}, {}, []
         for e in prof.events():
@@ -503,8 +541,8 @@ def run_model(name: str, build_dir: Path, *, parts: list, modes: list, rounds: i
         if part == "decode":
             if spec.kind == "encoder":
                 continue
-            # generate() with transformers' dynamic cache recompiles as the cache grows: the compile modes are
-            # timed for decode only when asked (--compile-decode)
+            # the compile modes' decode (a static cache: generate compiles its decoding step, with CUDA graphs on
+            # a GPU) is timed only when asked (--compile-decode): compiling it costs minutes per model and mode
             dmodes = modes if compile_decode else [mo for mo in modes if "compile" not in mo]
             for b in DECODE_BATCHES:
                 res["rows"].append(run_part(s, "decode", dmodes, rounds, reps, batch=b, log=log))
@@ -551,7 +589,9 @@ def to_markdown(result: dict) -> str:
              f"rounds of {result['reps']} calls (median per round), compile backend `{result['backend']}`.", "",
              "Ratios are the median [min, max] over the rounds of the mode's time divided by eager's (or compile's) "
              "in the same round: below 1 is faster. First call: wall time of the first call (compilation and the "
-             "fused path's one-time timing included). Peak: memory allocated above the model during one call.", ""]
+             "fused path's one-time timing included). Graphs: Dynamo graphs made by the first two calls. Peak: memory "
+             "allocated above the model during one call. Decode in the compile modes: `generate` with a static "
+             "cache, compiling its decoding step (transformers' `CompileConfig`).", ""]
     if result.get("partial"):
         lines += ["**Partial:** the run stopped before it finished; the rows below are what it had measured.", ""]
     for res in result["models"]:
@@ -560,12 +600,13 @@ def to_markdown(result: dict) -> str:
         if run is not None and (run["meta"]["commit"], run["rounds"]) != (m["commit"], result["rounds"]):
             lines += [f"Commit {run['meta']['commit']}, {run['meta']['date']}, {run['rounds']} rounds of "
                       f"{run['reps']} calls.", ""]
-        lines += ["| part | mode | ms | tokens/s | / eager | / compile | first call s | peak MiB |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += ["| part | mode | ms | tokens/s | / eager | / compile | first call s | graphs | peak MiB |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for row in res["rows"]:
             for mode, v in row["modes"].items():
                 lines.append(f"| {row['part']} | {mode} | {v['ms']} | {v['tokens_per_s']} | {_cell(v['vs_eager'])} "
-                             f"| {_cell(v['vs_compile'])} | {v['first_call_s']} | {_cell(v['peak_mib'])} |")
+                             f"| {_cell(v['vs_compile'])} | {v['first_call_s']} | {_cell(v.get('new_graphs'))} "
+                             f"| {_cell(v['peak_mib'])} |")
         if "graphs" in res:
             lines += ["", f"Dynamo graphs over prefill lengths {res['graph_lengths']} (backend "
                       f"`{res['graph_backend']}`): " + ", ".join(f"{k} {v}" for k, v in res["graphs"].items())]
@@ -702,7 +743,8 @@ def add_arguments(p) -> None:
     p.add_argument("--cpu", action="store_true", help="run on the CPU even where a GPU is present")
     p.add_argument("--repo-id", default=None, help="the kernel's repo id (default: build.toml's)")
     p.add_argument("--compile-decode", action="store_true",
-                   help="also time decode in the compile modes (generate's dynamic cache recompiles as it grows)")
+                   help="also time decode in the compile modes: generate with a static cache, which compiles its "
+                        "decoding step (transformers' CompileConfig: mode reduce-overhead with Inductor)")
     p.add_argument("--merge", nargs="+", type=Path, default=None, metavar="MODEL_JSON",
                    help="write one report (--out) from these model.json files instead of running")
     p.add_argument("--profile", action="store_true",

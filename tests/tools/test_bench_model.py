@@ -45,6 +45,23 @@ def test_every_part_of_a_causal_model(build_dir, tmp_path):
         assert r["modes"]["kernelized"]["tokens_per_s"] > 0
 
 
+def test_compiled_decode_with_a_static_cache(build_dir, tmp_path):
+    """--compile-decode times generate's own compiled decoding (a static cache, transformers' CompileConfig) in the
+    compile modes: they compile (and only they), the kernelized model into as many graphs as the host's, and the
+    tokens are timed for every mode at both batch sizes."""
+    res, md = _bench(build_dir, tmp_path, "--model", "gemma3-4b", "--parts", "decode", "--compile-decode",
+                     "--new-tokens", "3", "--graph-lengths", "")
+    rows = res["models"][0]["rows"]
+    assert [r["part"] for r in rows] == ["decode b1", "decode b8"]
+    for r in rows:
+        modes = r["modes"]
+        assert set(modes) == {"eager", "kernelized", "compile", "kernelized+compile"}
+        assert modes["eager"]["new_graphs"] == modes["kernelized"]["new_graphs"] == 0, r
+        assert modes["compile"]["new_graphs"] >= 1, r
+        assert modes["kernelized+compile"]["new_graphs"] == modes["compile"]["new_graphs"], r
+    assert "| decode b1 | kernelized+compile |" in md
+
+
 _GRAPH_OPS = """
 import collections, json, sys
 from pathlib import Path
