@@ -360,7 +360,6 @@ def _ratios(times: dict, base: str) -> dict:
 def run_part(s: Setup, part: str, modes: list, rounds: int, reps: int, batch: int | None = None, log=print) -> dict:
     """Times one part in interleaved rounds for every mode; returns its row."""
     import torch
-
     from torch._dynamo.utils import counters
 
     fn, tokens, training = make_part(s, part, batch)

@@ -49,8 +49,9 @@ def _scan_transformers() -> None:
     module = sys.modules.get("transformers.activations")
     for name in sorted(TANH_CLASSES | ERF_CLASSES):
         cls = getattr(module, name, None)
-        if isinstance(cls, type) and _by_name(cls) is not None:
-            _learn(cls, _by_name(cls))
+        flavour = _by_name(cls) if isinstance(cls, type) else None
+        if flavour is not None:
+            _learn(cls, flavour)
 
 
 def gelu_approximation(act) -> Optional[str]:

@@ -20,32 +20,26 @@ from .functional import geglu, geglu_packed
 _is_compiling = torch.compiler.is_compiling
 
 
-def gated(act, gate: torch.Tensor, up: torch.Tensor, inplace_backward: bool = True) -> torch.Tensor:
-    """``act(gate) * up``: the kernel when ``act`` is a GELU it computes, the host's own math otherwise and under
-    torch.compile (a constant branch there: no guard, no graph break), where Inductor fuses the GELU and the
+def gated_proj(act, gate: torch.Tensor, up_proj, x: torch.Tensor, inplace_backward: bool = True) -> torch.Tensor:
+    """``act(gate) * up_proj(x)``: the kernel when ``act`` is a GELU it computes, the host's own math otherwise and
+    under torch.compile (a constant branch there: no guard, no graph break), where Inductor fuses the GELU and the
     product with their neighbours into one pointwise kernel, as fast as ours and without the opaque call between
-    them; the layers' fused MLP stays an op. The kernel's backward writes the gradients over ``gate`` and ``up``
-    (projection outputs that nothing else reads) unless ``inplace_backward=False``."""
+    them; the layers' fused MLP stays an op. Under torch.compile the activation comes before the up projection, as
+    the hosts write it, so that the traced graph is the host's op for op and Inductor schedules it as it does the
+    unkernelized model. The kernel's backward writes the gradients over ``gate`` and ``up_proj(x)`` (projection
+    outputs that nothing else reads) unless ``inplace_backward=False``."""
     if _is_compiling():
-        return act(gate) * up
+        activated = act(gate)
+        return activated * up_proj(x)
+    up = up_proj(x)
     approximate = gelu_approximation(act)
     if approximate is None:
         return act(gate) * up
     return geglu(gate, up, approximate, inplace_backward=inplace_backward)
 
 
-def gated_proj(act, gate: torch.Tensor, up_proj, x: torch.Tensor, inplace_backward: bool = True) -> torch.Tensor:
-    """``act(gate) * up_proj(x)`` like :func:`gated`; under torch.compile in the host's order (the activation before
-    the up projection, as the hosts write it), so that the traced graph is the host's op for op and Inductor
-    schedules it as it does the unkernelized model."""
-    if _is_compiling():
-        activated = act(gate)
-        return activated * up_proj(x)
-    return gated(act, gate, up_proj(x), inplace_backward)
-
-
 def gated_packed(act, x: torch.Tensor, act_first: bool, inplace_backward: bool = True) -> torch.Tensor:
-    """``act(a) * b`` (``act_first``) or ``a * act(b)`` of ``a, b = x.chunk(2, -1)``, like :func:`gated` (the
+    """``act(a) * b`` (``act_first``) or ``a * act(b)`` of ``a, b = x.chunk(2, -1)``, like :func:`gated_proj` (the
     backward writes its gradient over ``x`` unless ``inplace_backward=False``)."""
     approximate = None if _is_compiling() else gelu_approximation(act)
     if approximate is None:
