@@ -16,7 +16,9 @@ Each model runs as ``eager``, ``kernelized`` (``kernels.kernelize`` with this pr
 ``compile`` (``torch.compile`` of the model's forward) and ``kernelized+compile``, in interleaved rounds (the order
 rotates every round), and reports per part the median time, tokens/s, and the median [min, max] of the per-round
 ratios to eager and to compile; the first call's time (compilation), the peak memory of one call, and the number
-of Dynamo graphs over a sweep of sequence lengths.
+of Dynamo graphs over a sweep of sequence lengths. ``copy`` and ``copy+compile``, asked for by name, run a plain
+deep copy of the eager model: an A/A control whose ratios show the benchmark's own bias and noise between two
+identical models.
 
 Parts: ``prefill`` (batch x seq tokens, with the KV cache, logits of the last position as ``generate`` computes
 them; encoders: the whole forward), ``decode`` (greedy ``generate`` of ``--new-tokens`` tokens at batch 1 and 8
@@ -46,7 +48,10 @@ from typing import Any, Callable
 
 from .common import meta, median, round_order
 
-MODES = ("eager", "kernelized", "compile", "kernelized+compile")
+MODES = ("eager", "kernelized", "compile", "kernelized+compile", "copy", "copy+compile")
+# "copy" / "copy+compile": a deep copy of the eager model, not kernelized (an A/A control, asked for by name: its
+# ratio to eager / compile is what the benchmark reports between two identical models, its bias and noise floor)
+DEFAULT_MODES = MODES[:4]
 PARTS = ("prefill", "decode", "train")
 
 
@@ -153,8 +158,9 @@ class Setup:
 
 
 def build_models(spec: ModelSpec, build_dir: Path, device: str, dtype, tiny: bool, backend: str,
-                 repo_id: str) -> Setup:
-    """The eager model (random weights, seeded) and a kernelized deep copy; compiled forwards of both."""
+                 repo_id: str, control: bool = False) -> Setup:
+    """The eager model (random weights, seeded) and a kernelized deep copy (``control``: and a plain deep copy, the
+    copy modes' model); compiled forwards of each."""
     import torch
     import transformers
     from kernels import Mode, kernelize
@@ -173,8 +179,10 @@ def build_models(spec: ModelSpec, build_dir: Path, device: str, dtype, tiny: boo
     eager.eval()
     kern = copy.deepcopy(eager)
     kernelize(kern, mode=Mode.INFERENCE, device=device)
-    s = Setup(spec, device, dtype, tiny, models={"eager": eager, "kernelized": kern}, kernelized_mode=Mode.INFERENCE,
-              backend=backend)
+    models = {"eager": eager, "kernelized": kern}
+    if control:
+        models["copy"] = copy.deepcopy(eager)
+    s = Setup(spec, device, dtype, tiny, models=models, kernelized_mode=Mode.INFERENCE, backend=backend)
     for name, m in s.models.items():
         s.compiled[name] = torch.compile(own_code(m.forward), backend=backend)
     return s
@@ -194,8 +202,13 @@ def own_code(method):
     return types.MethodType(copy_, method.__self__)
 
 
+def _model_name(mode: str) -> str:
+    """The model a mode runs: "kernelized", "copy" or "eager"."""
+    return mode.split("+")[0] if mode.startswith(("kernelized", "copy")) else "eager"
+
+
 def _mode_model(s: Setup, mode: str):
-    return s.models["kernelized" if mode.startswith("kernelized") else "eager"]
+    return s.models[_model_name(mode)]
 
 
 @contextlib.contextmanager
@@ -205,7 +218,7 @@ def _as_mode(s: Setup, mode: str, swap: bool = True):
     decoding step) leaves the model as it is."""
     m = _mode_model(s, mode)
     if swap and "compile" in mode:
-        m.forward = s.compiled["kernelized" if mode.startswith("kernelized") else "eager"]
+        m.forward = s.compiled[_model_name(mode)]
         try:
             yield m
         finally:
@@ -503,7 +516,8 @@ def count_graphs(s: Setup, lengths: list, backend: str) -> dict:
     from torch._dynamo.utils import counters
 
     out = {}
-    for name, m in s.models.items():
+    for name in ("eager", "kernelized"):
+        m = s.models[name]
         _kernelize_for(s, "kernelized+compile" if name == "kernelized" else "compile", False)
         torch._dynamo.reset()
         counters.clear()
@@ -532,7 +546,8 @@ def run_model(name: str, build_dir: Path, *, parts: list, modes: list, rounds: i
 
     spec = MODELS[name]
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    s = build_models(spec, build_dir, device, dtype, tiny, backend, repo_id)
+    s = build_models(spec, build_dir, device, dtype, tiny, backend, repo_id,
+                     control=any(mo.startswith("copy") for mo in modes))
     s.new_tokens = new_tokens
     res = dict(model=name, source=spec.source, kind=spec.kind, dtype=str(dtype).replace("torch.", ""),
                layers=s.models["eager"].config.num_hidden_layers, rows=[])
@@ -729,7 +744,9 @@ def add_arguments(p) -> None:
     p.add_argument("--model", action="append", default=None,
                    help=f"model(s) for the whole-model benchmark: {', '.join(MODELS)} or all (repeatable)")
     p.add_argument("--parts", default=",".join(PARTS), help="comma-separated: prefill,decode,train")
-    p.add_argument("--modes", default=",".join(MODES), help="comma-separated: " + ",".join(MODES))
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                   help=f"comma-separated, of {','.join(MODES)} (default {','.join(DEFAULT_MODES)}; copy and "
+                        "copy+compile run a plain deep copy of the eager model: an A/A control of the benchmark)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     p.add_argument("--reps", type=int, default=3, help="calls per mode per round; the round keeps their median")
     p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per decode call (default 32)")

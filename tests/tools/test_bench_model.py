@@ -62,6 +62,21 @@ def test_compiled_decode_with_a_static_cache(build_dir, tmp_path):
     assert "| decode b1 | kernelized+compile |" in md
 
 
+def test_copy_modes_are_an_a_a_control(build_dir, tmp_path):
+    """copy / copy+compile time a plain deep copy of the eager model beside the others: its compiled forward is
+    compiled for itself (as many graphs as compile's, none borrowed from the eager model's cache), and the graph
+    count over lengths still compares only the eager and the kernelized model."""
+    res, md = _bench(build_dir, tmp_path, "--model", "t5-v1.1-base", "--parts", "prefill",
+                     "--modes", "eager,compile,copy,copy+compile", "--graph-lengths", "16,40")
+    m = res["models"][0]
+    modes = m["rows"][0]["modes"]
+    assert list(modes) == ["eager", "compile", "copy", "copy+compile"]
+    assert modes["copy"]["new_graphs"] == 0
+    assert modes["copy+compile"]["new_graphs"] == modes["compile"]["new_graphs"] >= 1, modes
+    assert set(m["graphs"]) == {"compile", "kernelized+compile"}
+    assert "| prefill | copy+compile |" in md
+
+
 _GRAPH_OPS = """
 import collections, json, sys
 from pathlib import Path
