@@ -391,6 +391,8 @@ def run_part(s: Setup, part: str, modes: list, rounds: int, reps: int, batch: in
             _time_once(s, call, m)
             peaks[mode] = _peak_mib(s, call, m)
         graphs[mode] = int(counters["stats"]["unique_graphs"] - made)
+        log(f"  {s.spec.name} {part if batch is None else f'{part} b{batch}'} {mode}: first call {first[mode]:.1f} s, "
+            f"{graphs[mode]} new graphs")
     for r in range(rounds):
         for mode in round_order(list(modes), r):
             _kernelize_for(s, mode, training)
@@ -538,7 +540,8 @@ def count_graphs(s: Setup, lengths: list, backend: str) -> dict:
 
 def run_model(name: str, build_dir: Path, *, parts: list, modes: list, rounds: int, reps: int, device: str,
               tiny: bool, backend: str, new_tokens: int, graph_lengths: list, graph_backend: str,
-              repo_id: str, profile: bool = False, compile_decode: bool = False, log=print,
+              repo_id: str, profile: bool = False, compile_decode: bool = False, decode_batches=DECODE_BATCHES,
+              log=print,
               on_row: Callable[[dict], None] | None = None) -> dict:
     """Every part of one model; ``on_row`` gets the model's result as far as it got after each row (so that a run
     stopped half-way keeps what it measured)."""
@@ -558,7 +561,7 @@ def run_model(name: str, build_dir: Path, *, parts: list, modes: list, rounds: i
             # the compile modes' decode (a static cache: generate compiles its decoding step, with CUDA graphs on
             # a GPU) is timed only when asked (--compile-decode): compiling it costs minutes per model and mode
             dmodes = modes if compile_decode else [mo for mo in modes if "compile" not in mo]
-            for b in DECODE_BATCHES:
+            for b in decode_batches:
                 res["rows"].append(run_part(s, "decode", dmodes, rounds, reps, batch=b, log=log))
                 if profile:
                     res["rows"][-1]["profile"] = profile_part(s, "decode", dmodes, batch=b)
@@ -603,7 +606,9 @@ def to_markdown(result: dict) -> str:
              f"rounds of {result['reps']} calls (median per round), compile backend `{result['backend']}`.", "",
              "Ratios are the median [min, max] over the rounds of the mode's time divided by eager's (or compile's) "
              "in the same round: below 1 is faster. First call: wall time of the first call (compilation and the "
-             "fused path's one-time timing included). Graphs: Dynamo graphs made by the first two calls. Peak: memory "
+             "fused path's one-time timing included). Graphs: Dynamo graphs made by the first calls (a frame whose "
+             "compiled code a model shares with one compiled before it, such as the frame after a graph break, is "
+             "counted for the first; the count over prefill lengths below compiles each model afresh). Peak: memory "
              "allocated above the model during one call. Decode in the compile modes: `generate` with a static "
              "cache, compiling its decoding step (transformers' `CompileConfig`).", ""]
     if result.get("partial"):
@@ -699,6 +704,13 @@ def run(args, log=print) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch._dynamo.config.cache_size_limit = 64
     lengths = [int(v) for v in args.graph_lengths.split(",")] if args.graph_lengths else []
+    try:
+        batches = tuple(int(v) for v in args.decode_batches.split(","))
+    except ValueError:
+        raise SystemExit(f"error: --decode-batches {args.decode_batches!r}: expected comma-separated integers, "
+                         "e.g. 1,8.") from None
+    if not batches or min(batches) < 1:
+        raise SystemExit(f"error: --decode-batches {args.decode_batches!r}: expected batch sizes of at least 1.")
     result = dict(meta=meta(torch), device=device, rounds=args.rounds, reps=args.reps, backend=args.backend,
                   models=[])
 
@@ -710,6 +722,7 @@ def run(args, log=print) -> dict:
         result["models"].append(run_model(
             n, args.build_dir, parts=parts, modes=modes, rounds=args.rounds, reps=args.reps, device=device,
             tiny=args.tiny, backend=args.backend, new_tokens=args.new_tokens, graph_lengths=lengths,
+            decode_batches=batches,
             graph_backend=args.graph_backend, repo_id=args.repo_id, profile=args.profile,
             compile_decode=args.compile_decode, log=log, on_row=save_partial))
     if args.out is not None:
@@ -750,6 +763,9 @@ def add_arguments(p) -> None:
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     p.add_argument("--reps", type=int, default=3, help="calls per mode per round; the round keeps their median")
     p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per decode call (default 32)")
+    p.add_argument("--decode-batches", default=",".join(map(str, DECODE_BATCHES)),
+                   help="comma-separated batch sizes of the decode part (default 1,8; compiling a 4B model's "
+                        "decoding step takes minutes per mode and batch size)")
     p.add_argument("--backend", default="inductor", help="torch.compile backend of the compile modes")
     p.add_argument("--graph-lengths", default="16,40,97,256,1000",
                    help="prefill lengths for the graph count (empty: skip)")

@@ -50,9 +50,9 @@ def test_compiled_decode_with_a_static_cache(build_dir, tmp_path):
     compile modes: they compile (and only they), the kernelized model into as many graphs as the host's, and the
     tokens are timed for every mode at both batch sizes."""
     res, md = _bench(build_dir, tmp_path, "--model", "gemma3-4b", "--parts", "decode", "--compile-decode",
-                     "--new-tokens", "3", "--graph-lengths", "")
+                     "--new-tokens", "3", "--graph-lengths", "", "--decode-batches", "1,3")
     rows = res["models"][0]["rows"]
-    assert [r["part"] for r in rows] == ["decode b1", "decode b8"]
+    assert [r["part"] for r in rows] == ["decode b1", "decode b3"]
     for r in rows:
         modes = r["modes"]
         assert set(modes) == {"eager", "kernelized", "compile", "kernelized+compile"}
@@ -60,6 +60,13 @@ def test_compiled_decode_with_a_static_cache(build_dir, tmp_path):
         assert modes["compile"]["new_graphs"] >= 1, r
         assert modes["kernelized+compile"]["new_graphs"] == modes["compile"]["new_graphs"], r
     assert "| decode b1 | kernelized+compile |" in md
+
+
+def test_bad_decode_batches_are_named(build_dir, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "kerneltools", "bench", "--build-dir", str(build_dir), "--tiny",
+                           "--cpu", "--model", "gemma3-4b", "--decode-batches", "1,x"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "--decode-batches '1,x': expected comma-separated integers" in proc.stderr
 
 
 def test_copy_modes_are_an_a_a_control(build_dir, tmp_path):
