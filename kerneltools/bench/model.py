@@ -634,16 +634,22 @@ def to_markdown(result: dict) -> str:
 
 
 def summary_markdown(result: dict) -> str:
-    """One line per model and part: kernelized / eager and kernelized+compile / compile (the README's table)."""
-    lines = ["| model | part | kernelized / eager | kernelized+compile / compile | graphs (compile, kernelized) |",
-             "|---|---|---|---|---|"]
+    """One line per model and part: kernelized / eager and kernelized+compile / compile (the README's table); where
+    a run timed the copy modes, their ratios beside them (the A/A control: what two identical models measure)."""
+    control = any(mo.startswith("copy") for res in result["models"] for row in res["rows"] for mo in row["modes"])
+    head = "| model | part | kernelized / eager | kernelized+compile / compile |"
+    head += " copy / eager | copy+compile / compile |" if control else ""
+    lines = [head + " graphs (compile, kernelized) |", "|---" * (7 if control else 5) + "|"]
     for res in result["models"]:
         g = res.get("graphs", {})
         graphs = f"{g.get('compile', '–')}, {g.get('kernelized+compile', '–')}" if g else "–"
         for row in res["rows"]:
-            k = row["modes"].get("kernelized", {}).get("vs_eager")
-            kc = row["modes"].get("kernelized+compile", {}).get("vs_compile")
-            lines.append(f"| {res['model']} | {row['part']} | {_cell(k)} | {_cell(kc)} | {graphs} |")
+            cells = [row["modes"].get("kernelized", {}).get("vs_eager"),
+                     row["modes"].get("kernelized+compile", {}).get("vs_compile")]
+            if control:
+                cells += [row["modes"].get("copy", {}).get("vs_eager"),
+                          row["modes"].get("copy+compile", {}).get("vs_compile")]
+            lines.append(f"| {res['model']} | {row['part']} | " + " | ".join(map(_cell, cells)) + f" | {graphs} |")
             graphs = ""
     return "\n".join(lines) + "\n"
 

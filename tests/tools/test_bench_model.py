@@ -8,6 +8,8 @@ import sys
 
 from toolhelpers import REPO_ROOT
 
+from kerneltools.bench.model import _cell
+
 
 def _bench(build_dir, tmp_path, *args):
     out = tmp_path / "out"
@@ -82,6 +84,10 @@ def test_copy_modes_are_an_a_a_control(build_dir, tmp_path):
     assert modes["copy+compile"]["new_graphs"] == modes["compile"]["new_graphs"] >= 1, modes
     assert set(m["graphs"]) == {"compile", "kernelized+compile"}
     assert "| prefill | copy+compile |" in md
+    summary = md.split("## Summary")[1]
+    assert "| copy / eager | copy+compile / compile |" in summary
+    cells = next(line for line in summary.splitlines() if line.startswith("| t5-v1.1-base | prefill |")).split(" | ")
+    assert cells[2:6] == ["–", "–", _cell(modes["copy"]["vs_eager"]), _cell(modes["copy+compile"]["vs_compile"])]
 
 
 _GRAPH_OPS = """
