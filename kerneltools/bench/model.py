@@ -21,9 +21,10 @@ deep copy of the eager model: an A/A control whose ratios show the benchmark's o
 identical models.
 
 Parts: ``prefill`` (batch x seq tokens, with the KV cache, logits of the last position as ``generate`` computes
-them; encoders: the whole forward), ``decode`` (greedy ``generate`` of ``--new-tokens`` tokens at batch 1 and 8
-after a short prompt; not for encoders; the compile modes only with ``--compile-decode``: ``generate`` with a static
-cache, compiling its decoding step), ``train`` (forward, backward and an AdamW step).
+them; encoders: the whole forward), ``decode`` (greedy ``generate`` of ``--new-tokens`` tokens at each of the
+``--decode-batches``, 1 and 8 by default, after a short prompt; not for encoders; the compile modes only with
+``--compile-decode``: ``generate`` with a static cache, compiling its decoding step), ``train`` (forward, backward
+and an AdamW step).
 
     python -m kerneltools bench --model gemma3-4b [--model t5-v1.1-base ...] [--parts prefill,decode,train]
         [--modes eager,kernelized,compile,kernelized+compile] [--rounds 5] [--out DIR]
