@@ -377,6 +377,8 @@ def run_part(s: Setup, part: str, modes: list, rounds: int, reps: int, batch: in
     from torch._dynamo.utils import counters
 
     fn, tokens, training = make_part(s, part, batch)
+    label = part if batch is None else f"{part} b{batch}"
+    calls = {mode: functools.partial(fn, compiled="compile" in mode) for mode in modes}
     first, peaks, graphs, times = {}, {}, {}, {mode: [] for mode in modes}
     for m in s.models.values():
         m.train(training)
@@ -385,22 +387,19 @@ def run_part(s: Setup, part: str, modes: list, rounds: int, reps: int, batch: in
     swap = part != "decode"
     for mode in modes:  # first call (compilation, the fused path's one-time timing), then a warm-up
         _kernelize_for(s, mode, training)
-        call = functools.partial(fn, compiled="compile" in mode)
+        call = calls[mode]
         made = counters["stats"]["unique_graphs"]
         with _as_mode(s, mode, swap) as m:
             first[mode] = round(_time_once(s, call, m), 3)
             _time_once(s, call, m)
             peaks[mode] = _peak_mib(s, call, m)
         graphs[mode] = int(counters["stats"]["unique_graphs"] - made)
-        log(f"  {s.spec.name} {part if batch is None else f'{part} b{batch}'} {mode}: first call {first[mode]:.1f} s, "
-            f"{graphs[mode]} new graphs")
+        log(f"  {s.spec.name} {label} {mode}: first call {first[mode]:.1f} s, {graphs[mode]} new graphs")
     for r in range(rounds):
         for mode in round_order(list(modes), r):
             _kernelize_for(s, mode, training)
-            call = functools.partial(fn, compiled="compile" in mode)
             with _as_mode(s, mode, swap) as m:
-                times[mode].append(median([_time_once(s, call, m) for _ in range(reps)]))
-    label = part if batch is None else f"{part} b{batch}"
+                times[mode].append(median([_time_once(s, calls[mode], m) for _ in range(reps)]))
     row = dict(part=label, tokens=tokens, modes={})
     vs_eager, vs_compile = _ratios(times, "eager"), _ratios(times, "compile")
     for mode in modes:
@@ -638,9 +637,10 @@ def summary_markdown(result: dict) -> str:
     """One line per model and part: kernelized / eager and kernelized+compile / compile (the README's table); where
     a run timed the copy modes, their ratios beside them (the A/A control: what two identical models measure)."""
     control = any(mo.startswith("copy") for res in result["models"] for row in res["rows"] for mo in row["modes"])
-    head = "| model | part | kernelized / eager | kernelized+compile / compile |"
-    head += " copy / eager | copy+compile / compile |" if control else ""
-    lines = [head + " graphs (compile, kernelized) |", "|---" * (7 if control else 5) + "|"]
+    cols = ["model", "part", "kernelized / eager", "kernelized+compile / compile"]
+    cols += ["copy / eager", "copy+compile / compile"] if control else []
+    cols.append("graphs (compile, kernelized)")
+    lines = ["| " + " | ".join(cols) + " |", "|---" * len(cols) + "|"]
     for res in result["models"]:
         g = res.get("graphs", {})
         graphs = f"{g.get('compile', '–')}, {g.get('kernelized+compile', '–')}" if g else "–"

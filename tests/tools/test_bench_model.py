@@ -11,11 +11,15 @@ from toolhelpers import REPO_ROOT
 from kerneltools.bench.model import _cell
 
 
-def _bench(build_dir, tmp_path, *args):
-    out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "kerneltools", "bench", "--build-dir", str(build_dir), "--tiny",
+def _run_bench(build_dir, out, *args):
+    return subprocess.run([sys.executable, "-m", "kerneltools", "bench", "--build-dir", str(build_dir), "--tiny",
                            "--cpu", "--rounds", "1", "--reps", "1", "--backend", "aot_eager", "--out", str(out), *args],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
+
+
+def _bench(build_dir, tmp_path, *args):
+    out = tmp_path / "out"
+    proc = _run_bench(build_dir, out, *args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads((out / "model.json").read_text()), (out / "model.md").read_text()
 
@@ -65,9 +69,7 @@ def test_compiled_decode_with_a_static_cache(build_dir, tmp_path):
 
 
 def test_bad_decode_batches_are_named(build_dir, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "kerneltools", "bench", "--build-dir", str(build_dir), "--tiny",
-                           "--cpu", "--model", "gemma3-4b", "--decode-batches", "1,x"],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    proc = _run_bench(build_dir, tmp_path / "out", "--model", "gemma3-4b", "--decode-batches", "1,x")
     assert proc.returncode != 0 and "--decode-batches '1,x': expected comma-separated integers" in proc.stderr
 
 

@@ -347,7 +347,7 @@ class GemmaRMSNorm(nn.Module):
     eps: float
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
+        if _is_compiling():
             return _gemma_norm_host(x, self.weight, self.eps)
         return _gemma_norm(x, self.weight, self.eps)
 
@@ -367,7 +367,7 @@ class Gemma3nRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight if self.with_scale else None
-        if torch.compiler.is_compiling():
+        if _is_compiling():
             return _scaled_norm_host(x, weight, self.eps)
         return _scaled_norm(x, weight, self.eps)
 
