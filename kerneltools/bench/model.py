@@ -20,11 +20,11 @@ of Dynamo graphs over a sweep of sequence lengths. ``copy`` and ``copy+compile``
 deep copy of the eager model: an A/A control whose ratios show the benchmark's own bias and noise between two
 identical models.
 
-Parts: ``prefill`` (batch x seq tokens, with the KV cache, logits of the last position as ``generate`` computes
-them; encoders: the whole forward), ``decode`` (greedy ``generate`` of ``--new-tokens`` tokens at each of the
-``--decode-batches``, 1 and 8 by default, after a short prompt; not for encoders; the compile modes only with
-``--compile-decode``: ``generate`` with a static cache, compiling its decoding step), ``train`` (forward, backward
-and an AdamW step).
+Parts: ``prefill`` (batch x seq tokens, filling an empty KV cache made before the call and returning the logits of
+the last position, as ``generate``'s first step does; encoders: the whole forward), ``decode`` (greedy ``generate``
+of ``--new-tokens`` tokens at each of the ``--decode-batches``, 1 and 8 by default, after a short prompt; not for
+encoders; the compile modes only with ``--compile-decode``: ``generate`` with a static cache, compiling its decoding
+step), ``train`` (forward, backward and an AdamW step).
 
     python -m kerneltools bench --model gemma3-4b [--model t5-v1.1-base ...] [--parts prefill,decode,train]
         [--modes eager,kernelized,compile,kernelized+compile] [--rounds 5] [--out DIR]
@@ -268,20 +268,11 @@ def make_part(s: Setup, part: str, batch: int | None = None):
     if part == "prefill":
         b, n = TINY_SHAPES["prefill"] if s.tiny else spec.prefill
         ids = _ids(s, b, n)
-        if spec.kind == "causal":
-            def fn(m, compiled=False):
-                with torch.no_grad():
-                    return m(input_ids=ids, use_cache=True, logits_to_keep=1).logits
-        elif spec.kind == "seq2seq":
-            dec = torch.zeros(b, 1, dtype=torch.long, device=s.device)
+        dec = torch.zeros(b, 1, dtype=torch.long, device=s.device)
 
-            def fn(m, compiled=False):
-                with torch.no_grad():
-                    return m(input_ids=ids, decoder_input_ids=dec, use_cache=True).logits
-        else:
-            def fn(m, compiled=False):
-                with torch.no_grad():
-                    return m(input_ids=ids).logits
+        def fn(m, compiled=False):
+            with torch.no_grad():
+                return m(**prefill_kwargs(s, m, ids, dec)).logits
         return fn, b * n, False
     if part == "decode":
         new = s.new_tokens
@@ -308,6 +299,34 @@ def make_part(s: Setup, part: str, batch: int | None = None):
             return loss
         return fn, b * n, True
     raise ValueError(f"unknown part {part!r}; expected one of {', '.join(PARTS)}")
+
+
+def prefill_kwargs(s: Setup, m, ids, dec) -> dict:
+    """The model's arguments for prefill of ``ids``: ``generate``'s first forward (an empty cache made before the
+    call, the logits of the last position; ``dec``, the decoder's start tokens of an encoder-decoder); encoders:
+    the whole forward."""
+    if s.spec.kind == "causal":
+        return dict(input_ids=ids, past_key_values=generate_cache(m), use_cache=True, logits_to_keep=1)
+    if s.spec.kind == "seq2seq":
+        return dict(input_ids=ids, decoder_input_ids=dec, past_key_values=generate_cache(m), use_cache=True)
+    return dict(input_ids=ids)
+
+
+def generate_cache(m):
+    """The empty KV cache ``generate`` makes before its first forward (``_prepare_cache_for_generation`` with the
+    default cache: a DynamicCache of the text config, in an EncoderDecoderCache with a second one for the cross
+    attention of an encoder-decoder). Prefill passes it in, as ``generate`` does, rather than letting the forward
+    make it: on torch 2.11 Dynamo breaks the graph at the ``copy.deepcopy`` in the cache's constructor, and the
+    frames after that break are shared by every model of the class in the process (measured at 4a7759b on the H200,
+    T5 v1.1 base: the unkernelized copy then reused the first model's compiled frames and the kernelized model had
+    its own entries behind them, 1.024-1.026 of compile; with the cache passed in, one graph per model and
+    0.889-0.929)."""
+    from transformers import DynamicCache, EncoderDecoderCache
+
+    config = m.config.get_text_config(decoder=True)
+    if m.config.is_encoder_decoder:
+        return EncoderDecoderCache(DynamicCache(config=config), DynamicCache(config=config))
+    return DynamicCache(config=config)
 
 
 def _compiled_generate(s: Setup, m):
@@ -510,9 +529,9 @@ def profile_part(s: Setup, part: str, modes: list, batch: int | None = None) -> 
 
 
 def count_graphs(s: Setup, lengths: list, backend: str) -> dict:
-    """Dynamo graphs made by ``torch.compile`` of the eager and of the kernelized model over prefill at each of
-    ``lengths`` (a fresh compile each; ``backend`` compiles them: the graph count is Dynamo's, whatever the
-    backend)."""
+    """Dynamo graphs made by ``torch.compile`` of the eager and of the kernelized model over prefill (the prefill
+    part's call) at each of ``lengths`` (a fresh compile each; ``backend`` compiles them: the graph count is
+    Dynamo's, whatever the backend)."""
     import torch
     import torch._dynamo
     from torch._dynamo.utils import counters
@@ -524,15 +543,10 @@ def count_graphs(s: Setup, lengths: list, backend: str) -> dict:
         torch._dynamo.reset()
         counters.clear()
         cf = torch.compile(m.forward, backend=backend)
+        dec = torch.zeros(1, 1, dtype=torch.long, device=s.device)
         for n in lengths:
-            ids = _ids(s, 1, n, seed=n)
             with torch.no_grad():
-                if s.spec.kind == "causal":
-                    cf(input_ids=ids, use_cache=True, logits_to_keep=1)
-                elif s.spec.kind == "seq2seq":
-                    cf(input_ids=ids, decoder_input_ids=torch.zeros(1, 1, dtype=torch.long, device=s.device))
-                else:
-                    cf(input_ids=ids)
+                cf(**prefill_kwargs(s, m, _ids(s, 1, n, seed=n), dec))
         out["compile" if name == "eager" else "kernelized+compile"] = int(counters["stats"]["unique_graphs"])
     torch._dynamo.reset()
     return out

@@ -244,3 +244,34 @@ def test_each_compiled_model_has_its_own_frame_cache():
     shared_a(x), shared_b(x)
     assert len(_debug_get_cache_entry_list(Toy.forward.__code__)) == 2
     torch._dynamo.reset()
+
+
+def test_prefill_fills_a_cache_made_before_the_call_as_generate_does():
+    """Prefill passes an empty cache of its own to every call (generate's first step; a cache made inside the
+    forward breaks the graph on torch 2.11), and the logits are the ones the model computes with the cache it makes
+    itself, bit for bit."""
+    from types import SimpleNamespace
+
+    import torch
+    import transformers
+    from transformers import DynamicCache, EncoderDecoderCache
+
+    from kerneltools.bench import model as bm
+
+    for name, cache_type in (("t5-v1.1-base", EncoderDecoderCache), ("gemma3-4b", DynamicCache)):
+        spec = bm.MODELS[name]
+        torch.manual_seed(0)
+        m = getattr(transformers, spec.auto_class).from_config(spec.config(True)).eval()
+        s = SimpleNamespace(spec=spec)
+        ids = torch.randint(3, m.config.vocab_size, (2, 9))
+        dec = torch.zeros(2, 1, dtype=torch.long)
+        first, second = bm.prefill_kwargs(s, m, ids, dec), bm.prefill_kwargs(s, m, ids, dec)
+        assert type(first["past_key_values"]) is cache_type and first["past_key_values"] is not second[
+            "past_key_values"], name
+        assert first["past_key_values"].get_seq_length() == 0
+        own = dict(first, past_key_values=None)
+        with torch.no_grad():
+            got = m(**first).logits
+            want = m(**own).logits
+        assert first["past_key_values"].get_seq_length() == (1 if name.startswith("t5") else 9), name
+        assert torch.equal(got, want), name
