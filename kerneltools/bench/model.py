@@ -185,19 +185,23 @@ def build_models(spec: ModelSpec, build_dir: Path, device: str, dtype, tiny: boo
         models["copy"] = copy.deepcopy(eager)
     s = Setup(spec, device, dtype, tiny, models=models, kernelized_mode=Mode.INFERENCE, backend=backend)
     for name, m in s.models.items():
-        s.compiled[name] = torch.compile(own_code(m.forward), backend=backend)
+        s.compiled[name] = torch.compile(own_code(m.forward, name), backend=backend)
     return s
 
 
-def own_code(method):
+def own_code(method, tag: str = ""):
     """``method`` (a bound method) as a function with a code object of its own. Dynamo keeps compiled frames per
     code object, so two models of one class compiled in one process share their forward's cache; the one compiled
     second then took 10-20 µs a call more than an identical copy compiled first (measured at 7b4b502 on the build
     machine's CPU, T5 v1.1 with 12 + 12 layers, whose guards and wrappers cost ~280 µs a call), a bias towards the
     mode compiled first. With its own code object each model's calls see only its own compiled frames, as in a
-    process that compiles one model."""
+    process that compiles one model. ``tag`` goes into the code's name: Dynamo keys what it learns about dynamic
+    sizes (automatic dynamic shapes) by file, line and name, so that two copies with one name share it."""
     fn = method.__func__
-    copy_ = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    code = fn.__code__.replace()
+    if tag:
+        code = code.replace(co_name=f"{code.co_name}_{tag}")
+    copy_ = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     copy_.__kwdefaults__, copy_.__qualname__ = fn.__kwdefaults__, fn.__qualname__
     copy_.__dict__.update(fn.__dict__)  # functools.wraps' __wrapped__ and the like
     return types.MethodType(copy_, method.__self__)
@@ -331,24 +335,31 @@ def generate_cache(m):
 
 def _compiled_generate(s: Setup, m):
     """The ``compile_config`` for ``generate`` with a static cache, with which it runs its decoding steps through
-    the model's compiled call: transformers' ``CompileConfig`` (mode "reduce-overhead" with Inductor) on the
-    ``--backend``, the call compiled from a code object of the model's own (``own_code``: ``nn.Module.__call__`` is
-    one code object for every module, and Dynamo keeps compiled frames per code object). Made once per model; set
-    to compile on every device (on CPU generate would not compile by itself)."""
+    the model's compiled call: transformers' ``CompileConfig`` (mode "reduce-overhead" with Inductor, its default
+    ``dynamic=None``) on the ``--backend``. The compiled call is the model's forward from a code object of its own
+    (``own_code``, tagged with the model's name: generate's own ``torch.compile(self.__call__)`` compiles the
+    forward's frame, whose code every model of the class shares, and with it Dynamo's record of which sizes change;
+    the models here have no hooks for ``__call__`` to run). Made once per model; set to compile on every device (on
+    CPU generate would not compile by itself)."""
     cfg = getattr(m, "_last_compile_config", None)
     if cfg is not None and getattr(m, "_compiled_call", None) is not None:
         return cfg
     import torch
     from transformers import CompileConfig
 
-    # dynamic=False: static shapes (the cache's are), one graph per shape; automatic dynamic shapes would carry
-    # over between the two models (Dynamo keys that state by source location, not code object)
-    cfg = CompileConfig(backend=s.backend, mode="reduce-overhead" if s.backend == "inductor" else None,
-                        dynamic=False)
+    # dynamic=None, as transformers ships it: the static cache's layers keep the filled length as a Python int
+    # (StaticSlidingWindowLayer.cumulative_length_int in transformers 5.22), so static shapes (dynamic=False) made a
+    # graph per decoding step (31 for 32 new tokens, 168 s to compile Gemma 3 4B-shaped at batch 8 at f57509f on
+    # the H200); with automatic dynamic shapes its second value makes it symbolic: two graphs
+    cfg = CompileConfig(backend=s.backend, mode="reduce-overhead" if s.backend == "inductor" else None)
     cfg._compile_all_devices = True
-    m._compiled_call = torch.compile(own_code(m.__call__), **cfg.to_dict())
+    m._compiled_call = torch.compile(own_code(m.forward, _model_key(s, m)), **cfg.to_dict())
     m._last_compile_config = cfg
     return cfg
+
+
+def _model_key(s: Setup, m) -> str:
+    return next(name for name, model in s.models.items() if model is m)
 
 
 def _sync(s: Setup) -> None:
