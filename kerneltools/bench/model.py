@@ -321,10 +321,9 @@ def generate_cache(m):
     default cache: a DynamicCache of the text config, in an EncoderDecoderCache with a second one for the cross
     attention of an encoder-decoder). Prefill passes it in, as ``generate`` does, rather than letting the forward
     make it: on torch 2.11 Dynamo breaks the graph at the ``copy.deepcopy`` in the cache's constructor, and the
-    frames after that break are shared by every model of the class in the process (measured at 4a7759b on the H200,
-    T5 v1.1 base: the unkernelized copy then reused the first model's compiled frames and the kernelized model had
-    its own entries behind them, 1.024-1.026 of compile; with the cache passed in, one graph per model and
-    0.889-0.929)."""
+    frames after that break belong to code objects that every model of the class shares (at 4a7759b on the H200
+    the plain copy of T5 v1.1 base compiled no graphs of its own and ran the first model's). With the cache passed
+    in, each compiled model makes one graph."""
     from transformers import DynamicCache, EncoderDecoderCache
 
     config = m.config.get_text_config(decoder=True)
