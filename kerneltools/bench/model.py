@@ -795,8 +795,7 @@ def add_arguments(p) -> None:
     p.add_argument("--reps", type=int, default=3, help="calls per mode per round; the round keeps their median")
     p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per decode call (default 32)")
     p.add_argument("--decode-batches", default=",".join(map(str, DECODE_BATCHES)),
-                   help="comma-separated batch sizes of the decode part (default 1,8; compiling a 4B model's "
-                        "decoding step takes minutes per mode and batch size)")
+                   help="comma-separated batch sizes of the decode part (default 1,8)")
     p.add_argument("--backend", default="inductor", help="torch.compile backend of the compile modes")
     p.add_argument("--graph-lengths", default="16,40,97,256,1000",
                    help="prefill lengths for the graph count (empty: skip)")
