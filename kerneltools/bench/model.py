@@ -217,12 +217,12 @@ def _mode_model(s: Setup, mode: str):
 
 
 @contextlib.contextmanager
-def _as_mode(s: Setup, mode: str, swap: bool = True):
-    """The module to call for ``mode``: compiled modes swap the compiled forward in for the duration (so that the
-    loss computation inside the forward runs compiled too); ``swap=False`` (decode: ``generate`` compiles its own
-    decoding step) leaves the model as it is."""
+def _as_mode(s: Setup, mode: str, part: str):
+    """The module to call for ``mode`` in ``part``: compiled modes swap the compiled forward in for the duration (so
+    that the loss computation inside the forward runs compiled too), except in decode, where ``generate`` compiles
+    its own decoding step and the model stays as it is."""
     m = _mode_model(s, mode)
-    if swap and "compile" in mode:
+    if part != "decode" and "compile" in mode:
         m.forward = s.compiled[_model_name(mode)]
         try:
             yield m
@@ -413,12 +413,11 @@ def run_part(s: Setup, part: str, modes: list, rounds: int, reps: int, batch: in
         m.train(training)
         if training and id(m) not in s.optimizers:
             s.optimizers[id(m)] = torch.optim.AdamW(m.parameters(), lr=1e-6)
-    swap = part != "decode"
     for mode in modes:  # first call (compilation, the fused path's one-time timing), then a warm-up
         _kernelize_for(s, mode, training)
         call = calls[mode]
         made = counters["stats"]["unique_graphs"]
-        with _as_mode(s, mode, swap) as m:
+        with _as_mode(s, mode, part) as m:
             first[mode] = round(_time_once(s, call, m), 3)
             _time_once(s, call, m)
             peaks[mode] = _peak_mib(s, call, m)
@@ -427,7 +426,7 @@ def run_part(s: Setup, part: str, modes: list, rounds: int, reps: int, batch: in
     for r in range(rounds):
         for mode in round_order(list(modes), r):
             _kernelize_for(s, mode, training)
-            with _as_mode(s, mode, swap) as m:
+            with _as_mode(s, mode, part) as m:
                 times[mode].append(median([_time_once(s, calls[mode], m) for _ in range(reps)]))
     row = dict(part=label, tokens=tokens, modes={})
     vs_eager, vs_compile = _ratios(times, "eager"), _ratios(times, "compile")
@@ -508,7 +507,7 @@ def profile_part(s: Setup, part: str, modes: list, batch: int | None = None) -> 
     for mode in modes:
         _kernelize_for(s, mode, training)
         compiled = "compile" in mode
-        with _as_mode(s, mode, part != "decode") as m:
+        with _as_mode(s, mode, part) as m:
             fn(m, compiled)
             _sync(s)
             nodes = None
@@ -583,7 +582,7 @@ def run_model(name: str, build_dir: Path, *, parts: list, modes: list, rounds: i
             if spec.kind == "encoder":
                 continue
             # the compile modes' decode (a static cache: generate compiles its decoding step, with CUDA graphs on
-            # a GPU) is timed only when asked (--compile-decode): compiling it costs minutes per model and mode
+            # a GPU) is timed only when asked (--compile-decode): it compiles once more per model and mode
             dmodes = modes if compile_decode else [mo for mo in modes if "compile" not in mo]
             for b in decode_batches:
                 res["rows"].append(run_part(s, "decode", dmodes, rounds, reps, batch=b, log=log))

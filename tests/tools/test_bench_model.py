@@ -152,9 +152,8 @@ def _compiled(build_dir) -> dict:
 def test_compiled_graph_is_the_hosts_but_for_the_fused_mlp(build_dir):
     """Under torch.compile a kernelized model traces to the host's graph op for op and in its order, except that
     each Gemma MLP (GeGLUMLP over plain projections) is one fused-MLP op of ours in place of its projections and
-    GeGLU: the
-    pointwise layers (T5, ModernBERT) and the norms run the host's math there, which Inductor fuses. (In a fresh
-    process: building the models registers the kernel mapping and points LOCAL_KERNELS at the build.)"""
+    GeGLU: the pointwise layers (T5, ModernBERT) and the norms run the host's math there, which Inductor fuses. (In
+    a fresh process: building the models registers the kernel mapping and points LOCAL_KERNELS at the build.)"""
     import collections
 
     res = _compiled(build_dir)
