@@ -29,6 +29,10 @@ step), ``train`` (forward, backward and an AdamW step).
     python -m kerneltools bench --model gemma3-4b [--model t5-v1.1-base ...] [--parts prefill,decode,train]
         [--modes eager,kernelized,compile,kernelized+compile] [--rounds 5] [--out DIR]
 
+``--processes N`` repeats the run in N fresh processes, each compiling the modes in a rotated order, and pools
+their rounds (each process's report stays in ``OUT/process-i``): a host-bound compiled model's ratio moves with the
+process's state by more than its spread within one process, so that one process is one sample.
+
 ``--tiny`` shrinks every model to a few layers of small width (for the CPU test; timings then mean nothing).
 """
 
@@ -389,19 +393,28 @@ def _peak_mib(s: Setup, fn, m) -> float | None:
     return round((torch.cuda.max_memory_allocated() - before) / 2**20, 1)
 
 
+def _round_ratios(times: dict, base: str) -> dict:
+    """Per mode: the ratio of its time to ``base``'s in each round."""
+    if base not in times:
+        return {}
+    return {mode: [round(t / b, 4) for t, b in zip(ts, times[base])] for mode, ts in times.items()}
+
+
+def _spread(rs: list) -> list:
+    """[median, min, max] of per-round ratios."""
+    return [round(median(rs), 3), round(min(rs), 3), round(max(rs), 3)]
+
+
 def _ratios(times: dict, base: str) -> dict:
     """Per mode: median [min, max] of the per-round ratio of its time to ``base``'s in the same round."""
-    out = {}
-    if base not in times:
-        return out
-    for mode, ts in times.items():
-        rs = [t / b for t, b in zip(ts, times[base])]
-        out[mode] = [round(median(rs), 3), round(min(rs), 3), round(max(rs), 3)]
-    return out
+    return {mode: _spread(rs) for mode, rs in _round_ratios(times, base).items()}
 
 
-def run_part(s: Setup, part: str, modes: list, rounds: int, reps: int, batch: int | None = None, log=print) -> dict:
-    """Times one part in interleaved rounds for every mode; returns its row."""
+def run_part(s: Setup, part: str, modes: list, rounds: int, reps: int, batch: int | None = None, log=print,
+             offset: int = 0) -> dict:
+    """Times one part in interleaved rounds for every mode; returns its row (with each round's ratios, which
+    ``pool`` joins over processes). ``offset`` rotates the order of the first calls (which model compiles first)
+    and of the rounds."""
     import torch
     from torch._dynamo.utils import counters
 
@@ -413,7 +426,8 @@ def run_part(s: Setup, part: str, modes: list, rounds: int, reps: int, batch: in
         m.train(training)
         if training and id(m) not in s.optimizers:
             s.optimizers[id(m)] = torch.optim.AdamW(m.parameters(), lr=1e-6)
-    for mode in modes:  # first call (compilation, the fused path's one-time timing), then a warm-up
+    k = offset % len(modes)
+    for mode in modes[k:] + modes[:k]:  # first call (compilation, the fused path's one-time timing), then a warm-up
         _kernelize_for(s, mode, training)
         call = calls[mode]
         made = counters["stats"]["unique_graphs"]
@@ -424,17 +438,19 @@ def run_part(s: Setup, part: str, modes: list, rounds: int, reps: int, batch: in
         graphs[mode] = int(counters["stats"]["unique_graphs"] - made)
         log(f"  {s.spec.name} {label} {mode}: first call {first[mode]:.1f} s, {graphs[mode]} new graphs")
     for r in range(rounds):
-        for mode in round_order(list(modes), r):
+        for mode in round_order(list(modes), r + offset):
             _kernelize_for(s, mode, training)
             with _as_mode(s, mode, part) as m:
                 times[mode].append(median([_time_once(s, calls[mode], m) for _ in range(reps)]))
     row = dict(part=label, tokens=tokens, modes={})
-    vs_eager, vs_compile = _ratios(times, "eager"), _ratios(times, "compile")
+    by_round = dict(vs_eager=_round_ratios(times, "eager"), vs_compile=_round_ratios(times, "compile"))
     for mode in modes:
         t = median(times[mode])
         row["modes"][mode] = dict(ms=round(t * 1e3, 2), tokens_per_s=round(tokens / t, 1),
-                                  vs_eager=vs_eager.get(mode), vs_compile=vs_compile.get(mode),
                                   first_call_s=first[mode], peak_mib=peaks[mode], new_graphs=graphs[mode])
+        for key, rs in by_round.items():
+            row["modes"][mode][key] = _spread(rs[mode]) if mode in rs else None
+            row["modes"][mode][f"{key}_rounds"] = rs.get(mode)
     log(f"{s.spec.name} {label}: " + ", ".join(
         f"{mode} {row['modes'][mode]['ms']} ms ({row['modes'][mode]['vs_eager']})" for mode in modes))
     for m in s.models.values():
@@ -564,10 +580,9 @@ def count_graphs(s: Setup, lengths: list, backend: str) -> dict:
 def run_model(name: str, build_dir: Path, *, parts: list, modes: list, rounds: int, reps: int, device: str,
               tiny: bool, backend: str, new_tokens: int, graph_lengths: list, graph_backend: str,
               repo_id: str, profile: bool = False, compile_decode: bool = False, decode_batches=DECODE_BATCHES,
-              log=print,
-              on_row: Callable[[dict], None] | None = None) -> dict:
+              log=print, on_row: Callable[[dict], None] | None = None, offset: int = 0) -> dict:
     """Every part of one model; ``on_row`` gets the model's result as far as it got after each row (so that a run
-    stopped half-way keeps what it measured)."""
+    stopped half-way keeps what it measured); ``offset``: see ``run_part``."""
     import torch
 
     spec = MODELS[name]
@@ -585,13 +600,13 @@ def run_model(name: str, build_dir: Path, *, parts: list, modes: list, rounds: i
             # a GPU) is timed only when asked (--compile-decode): it compiles once more per model and mode
             dmodes = modes if compile_decode else [mo for mo in modes if "compile" not in mo]
             for b in decode_batches:
-                res["rows"].append(run_part(s, "decode", dmodes, rounds, reps, batch=b, log=log))
+                res["rows"].append(run_part(s, "decode", dmodes, rounds, reps, batch=b, log=log, offset=offset))
                 if profile:
                     res["rows"][-1]["profile"] = profile_part(s, "decode", dmodes, batch=b)
                 if on_row is not None:
                     on_row(res)
         else:
-            res["rows"].append(run_part(s, part, modes, rounds, reps, log=log))
+            res["rows"].append(run_part(s, part, modes, rounds, reps, log=log, offset=offset))
             if profile:
                 res["rows"][-1]["profile"] = profile_part(s, part, modes)
             if on_row is not None:
@@ -621,12 +636,28 @@ def _cell(v) -> str:
     return str(v)
 
 
+def _in_processes(run: dict) -> str:
+    n = run.get("processes", 1)
+    return f" in each of {n} processes (first calls and rounds rotated by one place per process)" if n > 1 else ""
+
+
+def _per_process(row: dict) -> str:
+    """A pooled row's median ratio in each process, to compile where the row timed compile, else to eager ("" for
+    a run in one process)."""
+    base = "compile" if "compile" in row["modes"] else "eager"
+    key = f"vs_{base}_processes"
+    cells = [f"{mode} " + ", ".join(f"{x:.3f}" for x in v[key]) for mode, v in row["modes"].items()
+             if mode != base and v.get(key)]
+    return f"{row['part']} (/ {base}) " + "; ".join(cells) if cells else ""
+
+
 def to_markdown(result: dict) -> str:
     m = result["meta"]
     lines = [f"# Whole models through kernelize on {m['card']}", "",
              f"{m['date']}, commit {m['commit']}, torch {m['torch']}, triton {m['triton']}, CUDA {m['cuda']}, "
              f"transformers {m.get('transformers')}, kernels {m.get('kernels')}; {result['rounds']} interleaved "
-             f"rounds of {result['reps']} calls (median per round), compile backend `{result['backend']}`.", "",
+             f"rounds of {result['reps']} calls (median per round){_in_processes(result)}, compile backend "
+             f"`{result['backend']}`.", "",
              "Ratios are the median [min, max] over the rounds of the mode's time divided by eager's (or compile's) "
              "in the same round: below 1 is faster. First call: wall time of the first call (compilation and the "
              "fused path's one-time timing included). Graphs: Dynamo graphs made by the first calls (a frame whose "
@@ -639,9 +670,10 @@ def to_markdown(result: dict) -> str:
     for res in result["models"]:
         lines += [f"## {res['model']} ({res['source']}; {res['layers']} layers, {res['dtype']})", ""]
         run = res.get("run")
-        if run is not None and (run["meta"]["commit"], run["rounds"]) != (m["commit"], result["rounds"]):
+        if run is not None and ((run["meta"]["commit"], run["rounds"], run.get("processes", 1))
+                                != (m["commit"], result["rounds"], result.get("processes", 1))):
             lines += [f"Commit {run['meta']['commit']}, {run['meta']['date']}, {run['rounds']} rounds of "
-                      f"{run['reps']} calls.", ""]
+                      f"{run['reps']} calls{_in_processes(run)}.", ""]
         lines += ["| part | mode | ms | tokens/s | / eager | / compile | first call s | graphs | peak MiB |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for row in res["rows"]:
@@ -649,6 +681,10 @@ def to_markdown(result: dict) -> str:
                 lines.append(f"| {row['part']} | {mode} | {v['ms']} | {v['tokens_per_s']} | {_cell(v['vs_eager'])} "
                              f"| {_cell(v['vs_compile'])} | {v['first_call_s']} | {_cell(v.get('new_graphs'))} "
                              f"| {_cell(v['peak_mib'])} |")
+        per_process = [_per_process(row) for row in res["rows"] if _per_process(row)]
+        if per_process:
+            lines += ["", "Each process's median ratio (the ratios above pool every process's rounds): "
+                      + "; ".join(per_process) + "."]
         if "graphs" in res:
             lines += ["", f"Dynamo graphs over prefill lengths {res['graph_lengths']} (backend "
                       f"`{res['graph_backend']}`): " + ", ".join(f"{k} {v}" for k, v in res["graphs"].items())]
@@ -716,6 +752,10 @@ def plot(result: dict, path: Path) -> None:
 def run(args, log=print) -> dict:
     import torch
 
+    if getattr(args, "processes", 1) < 1:
+        raise SystemExit(f"error: --processes {args.processes}: expected at least 1.")
+    if getattr(args, "processes", 1) > 1:
+        return run_processes(args, log)
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
     names = list(MODELS) if "all" in args.model else args.model
     for n in names:
@@ -754,10 +794,91 @@ def run(args, log=print) -> dict:
             tiny=args.tiny, backend=args.backend, new_tokens=args.new_tokens, graph_lengths=lengths,
             decode_batches=batches,
             graph_backend=args.graph_backend, repo_id=args.repo_id, profile=args.profile,
-            compile_decode=args.compile_decode, log=log, on_row=save_partial))
+            compile_decode=args.compile_decode, log=log, on_row=save_partial, offset=getattr(args, "offset", 0)))
     if args.out is not None:
         write(result, args.out)
     return result
+
+
+def _run_child(args) -> None:  # a spawned process of run_processes (module level: spawn pickles it by name)
+    run(args)
+
+
+def run_processes(args, log=print) -> dict:
+    """``--processes N``: the whole run N times, each in a fresh Python process (spawned: its own CUDA context,
+    Dynamo caches and Inductor state), the i-th with its first calls and rounds rotated by i places, so that the
+    modes take turns compiling first; then :func:`pool`. A host-bound compiled model's ratio moves with the
+    process's state (T5 v1.1 base's compiled prefill: 0.968, 1.056 and 1.006 of compile in three processes on an
+    H200, docs/development.md), so that one process is one sample. Each process's own report stays in
+    ``OUT/process-i``; the graph count and the profile run in the first process only."""
+    import copy as copy_
+    import multiprocessing
+    import tempfile
+
+    base = Path(args.out) if args.out is not None else Path(tempfile.mkdtemp(prefix="geglu-bench-"))
+    ctx = multiprocessing.get_context("spawn")
+    results = []
+    for i in range(args.processes):
+        child = copy_.copy(args)
+        child.processes, child.offset, child.out = 1, i, base / f"process-{i}"
+        if i:
+            child.graph_lengths, child.profile = "", False
+        log(f"process {i + 1} of {args.processes} (report in {child.out})")
+        proc = ctx.Process(target=_run_child, args=(child,))
+        proc.start()
+        proc.join()
+        done = child.out / "model.json"
+        if proc.exitcode != 0 or not done.exists():
+            if results:
+                write(dict(pool(results), partial=True), base)
+            raise SystemExit(f"error: benchmark process {i + 1} of {args.processes} exited with code "
+                             f"{proc.exitcode}; its output is above, what it measured in {child.out}"
+                             + (f", the {len(results)} finished processes pooled in {base}." if results else "."))
+        results.append(json.loads(done.read_text()))
+    result = pool(results)
+    write(result, base)
+    log(f"pooled {args.processes} processes: {base / 'model.md'}")
+    return result
+
+
+def pool(results: list) -> dict:
+    """One result from runs of one benchmark in several processes (:func:`run_processes`): per model, part and
+    mode, the per-round ratios of all the processes together (median [min, max]) and each process's median
+    (``vs_eager_processes``, ``vs_compile_processes``); the median of their times and first calls, the largest
+    peak. Graph counts and profiles are the first process's (the only one that takes them). A part that not every
+    process reached is left out, and the result is then marked partial."""
+    first = results[0]
+    out = dict(first, models=[], processes=len(results))
+    out["partial"] = any(r.get("partial") for r in results)
+    for k, res in enumerate(first["models"]):
+        rows = []
+        for j, row in enumerate(res["rows"]):
+            same = [r["models"][k]["rows"][j] for r in results
+                    if k < len(r["models"]) and j < len(r["models"][k]["rows"])]
+            if len(same) < len(results):
+                out["partial"] = True
+                continue
+            if any(x["part"] != row["part"] or list(x["modes"]) != list(row["modes"]) for x in same):
+                raise ValueError(f"cannot pool {res['model']} {row['part']}: the processes timed different parts "
+                                 "or modes")
+            modes = {}
+            for mode in row["modes"]:
+                vs = [x["modes"][mode] for x in same]
+                ms = median([v["ms"] for v in vs])
+                peaks = [v["peak_mib"] for v in vs if v["peak_mib"] is not None]
+                m = dict(ms=round(ms, 2), tokens_per_s=round(row["tokens"] / (ms / 1e3), 1),
+                         first_call_s=round(median([v["first_call_s"] for v in vs]), 3),
+                         peak_mib=max(peaks) if peaks else None, new_graphs=vs[0]["new_graphs"])
+                for key in ("vs_eager", "vs_compile"):
+                    rounds = [x for v in vs for x in (v.get(f"{key}_rounds") or [])]
+                    m[key] = _spread(rounds) if rounds else None
+                    m[f"{key}_rounds"] = rounds or None
+                    m[f"{key}_processes"] = [v[key][0] if v[key] else None for v in vs]
+                modes[mode] = m
+            rows.append(dict(row, modes=modes))
+        if rows:
+            out["models"].append(dict(res, rows=rows))
+    return out
 
 
 def write(result: dict, out: Path) -> None:
@@ -778,7 +899,8 @@ def merge(paths: list) -> dict:
     merged = dict(results[0], models=[])
     for r in results:
         for res in r["models"]:
-            run = res.get("run") or dict(meta=r["meta"], rounds=r["rounds"], reps=r["reps"], backend=r["backend"])
+            run = res.get("run") or dict(meta=r["meta"], rounds=r["rounds"], reps=r["reps"], backend=r["backend"],
+                                         processes=r.get("processes", 1))
             merged["models"].append(dict(res, run=run))
     return merged
 
@@ -792,6 +914,10 @@ def add_arguments(p) -> None:
                         "copy+compile run a plain deep copy of the eager model: an A/A control of the benchmark)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     p.add_argument("--reps", type=int, default=3, help="calls per mode per round; the round keeps their median")
+    p.add_argument("--processes", type=int, default=1,
+                   help="repeat the run in this many fresh processes, each compiling the modes in a rotated order, "
+                        "and pool their rounds (default 1): a host-bound compiled model's ratio moves with the "
+                        "process's state, so one process is one sample")
     p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per decode call (default 32)")
     p.add_argument("--decode-batches", default=",".join(map(str, DECODE_BATCHES)),
                    help="comma-separated batch sizes of the decode part (default 1,8)")

@@ -279,3 +279,72 @@ def test_prefill_fills_a_cache_made_before_the_call_as_generate_does():
             want = m(**own).logits
         assert first["past_key_values"].get_seq_length() == (1 if name.startswith("t5") else 9), name
         assert torch.equal(got, want), name
+
+
+def _upper_median_spread(rs):
+    """kerneltools' median (the upper middle value) with min and max, to three places: the report's cell."""
+    return [round(sorted(rs)[len(rs) // 2], 3), round(min(rs), 3), round(max(rs), 3)]
+
+
+def test_processes_pool_their_rounds_and_rotate_the_first_calls(build_dir, tmp_path):
+    """--processes 2 runs the benchmark in two fresh processes, the second with its first calls (which model
+    compiles first) and rounds rotated by one place, keeps each process's report, and reports every round of
+    both: the pooled ratios are the spread of all the rounds, with each process's median beside them."""
+    out = tmp_path / "out"
+    proc = _run_bench(build_dir, out, "--model", "t5-v1.1-base", "--parts", "prefill",
+                      "--modes", "eager,kernelized,copy", "--rounds", "3", "--graph-lengths", "", "--processes", "2")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    firsts = [line.split(" prefill ")[1].split(":")[0] for line in proc.stdout.splitlines() if "first call" in line]
+    assert firsts == ["eager", "kernelized", "copy", "kernelized", "copy", "eager"], proc.stdout
+    runs = [json.loads((out / f"process-{i}" / "model.json").read_text()) for i in range(2)]
+    pooled = json.loads((out / "model.json").read_text())
+    assert pooled["processes"] == 2 and not pooled["partial"]
+    rows = [r["models"][0]["rows"][0]["modes"] for r in runs]
+    for mode, v in pooled["models"][0]["rows"][0]["modes"].items():
+        rounds = rows[0][mode]["vs_eager_rounds"] + rows[1][mode]["vs_eager_rounds"]
+        assert len(rounds) == 6 and v["vs_eager_rounds"] == rounds
+        assert v["vs_eager"] == _upper_median_spread(rounds)
+        assert v["vs_eager_processes"] == [rows[0][mode]["vs_eager"][0], rows[1][mode]["vs_eager"][0]]
+        assert v["ms"] == max(rows[0][mode]["ms"], rows[1][mode]["ms"])  # the upper median of two
+    md = (out / "model.md").read_text()
+    assert "in each of 2 processes" in md and "Each process's median ratio" in md
+
+
+def test_pool_leaves_out_parts_a_process_did_not_reach():
+    """A process that stopped early (its report partial) leaves the pooled report without the parts it lacks,
+    marked partial; processes that timed different modes are refused by name."""
+    import random
+
+    import pytest
+
+    from kerneltools.bench import model as bm
+
+    rng = random.Random(7)
+
+    def row(part, modes=("eager", "kernelized")):
+        rs = {mo: [1.0] * 3 if mo == "eager" else [round(rng.uniform(0.6, 1.2), 4) for _ in range(3)]
+              for mo in modes}
+        return dict(part=part, tokens=8, modes={mo: dict(ms=rng.uniform(1, 3), tokens_per_s=1.0, first_call_s=0.1,
+                                                          peak_mib=None, new_graphs=0, vs_eager=_upper_median_spread(r),
+                                                          vs_eager_rounds=r, vs_compile=None, vs_compile_rounds=None)
+                                                for mo, r in rs.items()})
+
+    def result(rows, partial=False):
+        return dict(meta={}, device="cpu", rounds=3, reps=1, backend="inductor", partial=partial,
+                    models=[dict(model="m", source="s", kind="causal", dtype="float32", layers=2, rows=rows)])
+
+    full = result([row("prefill"), row("train")])
+    cut = result([row("prefill")], partial=True)
+    pooled = bm.pool([full, cut])
+    assert pooled["partial"] and [r["part"] for r in pooled["models"][0]["rows"]] == ["prefill"]
+    k = pooled["models"][0]["rows"][0]["modes"]["kernelized"]
+    rounds = full["models"][0]["rows"][0]["modes"]["kernelized"]["vs_eager_rounds"] + \
+        cut["models"][0]["rows"][0]["modes"]["kernelized"]["vs_eager_rounds"]
+    assert k["vs_eager"] == _upper_median_spread(rounds) and k["vs_compile"] is None
+    with pytest.raises(ValueError, match="cannot pool m prefill"):
+        bm.pool([full, result([row("prefill", ("eager", "copy")), row("train")])])
+
+
+def test_bad_processes_are_named(build_dir, tmp_path):
+    proc = _run_bench(build_dir, tmp_path / "out", "--model", "t5-v1.1-base", "--processes", "0")
+    assert proc.returncode != 0 and "--processes 0: expected at least 1" in proc.stderr
