@@ -397,7 +397,7 @@ def _round_ratios(times: dict, base: str) -> dict:
     """Per mode: the ratio of its time to ``base``'s in each round."""
     if base not in times:
         return {}
-    return {mode: [round(t / b, 4) for t, b in zip(ts, times[base])] for mode, ts in times.items()}
+    return {mode: [t / b for t, b in zip(ts, times[base])] for mode, ts in times.items()}
 
 
 def _spread(rs: list) -> list:
@@ -450,7 +450,7 @@ def run_part(s: Setup, part: str, modes: list, rounds: int, reps: int, batch: in
                                   first_call_s=first[mode], peak_mib=peaks[mode], new_graphs=graphs[mode])
         for key, rs in by_round.items():
             row["modes"][mode][key] = _spread(rs[mode]) if mode in rs else None
-            row["modes"][mode][f"{key}_rounds"] = rs.get(mode)
+            row["modes"][mode][f"{key}_rounds"] = [round(x, 4) for x in rs[mode]] if mode in rs else None
     log(f"{s.spec.name} {label}: " + ", ".join(
         f"{mode} {row['modes'][mode]['ms']} ms ({row['modes'][mode]['vs_eager']})" for mode in modes))
     for m in s.models.values():
@@ -845,8 +845,9 @@ def pool(results: list) -> dict:
     """One result from runs of one benchmark in several processes (:func:`run_processes`): per model, part and
     mode, the per-round ratios of all the processes together (median [min, max]) and each process's median
     (``vs_eager_processes``, ``vs_compile_processes``); the median of their times and first calls, the largest
-    peak. Graph counts and profiles are the first process's (the only one that takes them). A part that not every
-    process reached is left out, and the result is then marked partial."""
+    peak. Graph counts (the first calls' and over lengths) and profiles are the first process's (the only one
+    that takes the last two). A part that not every process reached is left out, and the result is then marked
+    partial."""
     first = results[0]
     out = dict(first, models=[], processes=len(results))
     out["partial"] = any(r.get("partial") for r in results)
