@@ -405,11 +405,6 @@ def _spread(rs: list) -> list:
     return [round(median(rs), 3), round(min(rs), 3), round(max(rs), 3)]
 
 
-def _ratios(times: dict, base: str) -> dict:
-    """Per mode: median [min, max] of the per-round ratio of its time to ``base``'s in the same round."""
-    return {mode: _spread(rs) for mode, rs in _round_ratios(times, base).items()}
-
-
 def run_part(s: Setup, part: str, modes: list, rounds: int, reps: int, batch: int | None = None, log=print,
              offset: int = 0) -> dict:
     """Times one part in interleaved rounds for every mode; returns its row (with each round's ratios, which
@@ -681,7 +676,7 @@ def to_markdown(result: dict) -> str:
                 lines.append(f"| {row['part']} | {mode} | {v['ms']} | {v['tokens_per_s']} | {_cell(v['vs_eager'])} "
                              f"| {_cell(v['vs_compile'])} | {v['first_call_s']} | {_cell(v.get('new_graphs'))} "
                              f"| {_cell(v['peak_mib'])} |")
-        per_process = [_per_process(row) for row in res["rows"] if _per_process(row)]
+        per_process = [line for line in map(_per_process, res["rows"]) if line]
         if per_process:
             lines += ["", "Each process's median ratio (the ratios above pool every process's rounds): "
                       + "; ".join(per_process) + "."]
@@ -752,9 +747,10 @@ def plot(result: dict, path: Path) -> None:
 def run(args, log=print) -> dict:
     import torch
 
-    if getattr(args, "processes", 1) < 1:
-        raise SystemExit(f"error: --processes {args.processes}: expected at least 1.")
-    if getattr(args, "processes", 1) > 1:
+    processes = getattr(args, "processes", 1)
+    if processes < 1:
+        raise SystemExit(f"error: --processes {processes}: expected at least 1.")
+    if processes > 1:
         return run_processes(args, log)
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
     names = list(MODELS) if "all" in args.model else args.model
@@ -811,7 +807,6 @@ def run_processes(args, log=print) -> dict:
     process's state (T5 v1.1 base's compiled prefill: 0.968, 1.056 and 1.006 of compile in three processes on an
     H200, docs/development.md), so that one process is one sample. Each process's own report stays in
     ``OUT/process-i``; the graph count and the profile run in the first process only."""
-    import copy as copy_
     import multiprocessing
     import tempfile
 
@@ -819,7 +814,7 @@ def run_processes(args, log=print) -> dict:
     ctx = multiprocessing.get_context("spawn")
     results = []
     for i in range(args.processes):
-        child = copy_.copy(args)
+        child = copy.copy(args)
         child.processes, child.offset, child.out = 1, i, base / f"process-{i}"
         if i:
             child.graph_lengths, child.profile = "", False
