@@ -148,6 +148,18 @@ TINY_SHAPES = dict(prefill=(2, 24), train=(2, 24))
 DECODE_BATCHES = (1, 8)
 
 
+def with_layers(config, layers: int):
+    """``config`` with ``layers`` layers (in each stack of an encoder-decoder); the per-layer settings that follow
+    from the count (attention types, Gemma 4's per-layer overrides) are made afresh by the config class."""
+    d = config.to_dict()
+    for key in ("num_hidden_layers", "num_layers", "num_decoder_layers"):
+        if key in d:
+            d[key] = layers
+    for key in ("layer_types", "per_layer_config"):
+        d.pop(key, None)
+    return type(config).from_dict(d)
+
+
 @dataclass
 class Setup:
     spec: ModelSpec
@@ -163,9 +175,9 @@ class Setup:
 
 
 def build_models(spec: ModelSpec, build_dir: Path, device: str, dtype, tiny: bool, backend: str,
-                 repo_id: str, control: bool = False) -> Setup:
+                 repo_id: str, control: bool = False, layers: int | None = None) -> Setup:
     """The eager model (random weights, seeded) and a kernelized deep copy (``control``: and a plain deep copy, the
-    copy modes' model); compiled forwards of each."""
+    copy modes' model); compiled forwards of each. ``layers`` overrides the config's number of layers."""
     import torch
     import transformers
     from kernels import Mode, kernelize
@@ -177,6 +189,8 @@ def build_models(spec: ModelSpec, build_dir: Path, device: str, dtype, tiny: boo
     register_geglu_kernels(repo_id, revision="local", devices=(device,))
     torch.manual_seed(0)
     config = spec.config(tiny)
+    if layers:
+        config = with_layers(config, layers)
     config._attn_implementation = spec.attn
     auto = getattr(transformers, spec.auto_class)
     with torch.device(device):
@@ -548,6 +562,48 @@ def profile_part(s: Setup, part: str, modes: list, batch: int | None = None) -> 
     return out
 
 
+def call_cost(s: Setup, modes: list, rounds: int, calls: int = 200) -> dict:
+    """Host cost of one compiled decoding step (a causal model, batch 1, a static cache) with its work taken out:
+    each compile mode's model is compiled (fullgraph) with a backend that returns the graph's outputs from its first
+    run, so a call is Dynamo's guards, the frame's argument handling and the outputs' rebuilding, which a compiled
+    step pays on the host before its CUDA graph replays. Median µs per call over ``rounds`` interleaved rounds of
+    ``calls`` calls each, and the per-round ratio to compile."""
+    import torch
+    from transformers import StaticCache
+
+    def replay(gm, example_inputs):
+        out = gm(*example_inputs)
+        return lambda *args: out
+
+    steps = {}
+    for mode in modes:
+        _kernelize_for(s, mode, False)
+        m = _mode_model(s, mode)
+        ids = _ids(s, 1, 16)
+        cache = StaticCache(config=m.config, max_cache_len=32)
+        f = torch.compile(own_code(m.forward, f"{_model_key(s, m)}_call_cost"), backend=replay, fullgraph=True)
+        with torch.no_grad():
+            m(input_ids=ids, past_key_values=cache, use_cache=True)
+            for pos in (16, 17, 18):  # the second position makes the filled length symbolic, as in generate
+                kw = dict(input_ids=ids[:, :1], past_key_values=cache, use_cache=True,
+                          cache_position=torch.tensor([pos], device=s.device),
+                          position_ids=torch.tensor([[pos]], device=s.device))
+                f(**kw)
+        steps[mode] = (f, kw)
+    times = {mode: [] for mode in steps}
+    with torch.no_grad():
+        for r in range(rounds):
+            for mode in round_order(list(steps), r):
+                f, kw = steps[mode]
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    f(**kw)
+                times[mode].append((time.perf_counter() - t0) / calls * 1e6)
+    ratios = _round_ratios(times, "compile")
+    return {mode: dict(us=round(median(ts), 1), vs_compile=_spread(ratios[mode]) if ratios else None)
+            for mode, ts in times.items()}
+
+
 def count_graphs(s: Setup, lengths: list, backend: str) -> dict:
     """Dynamo graphs made by ``torch.compile`` of the eager and of the kernelized model over prefill (the prefill
     part's call) at each of ``lengths`` (a fresh compile each; ``backend`` compiles them: the graph count is
@@ -575,15 +631,18 @@ def count_graphs(s: Setup, lengths: list, backend: str) -> dict:
 def run_model(name: str, build_dir: Path, *, parts: list, modes: list, rounds: int, reps: int, device: str,
               tiny: bool, backend: str, new_tokens: int, graph_lengths: list, graph_backend: str,
               repo_id: str, profile: bool = False, compile_decode: bool = False, decode_batches=DECODE_BATCHES,
-              log=print, on_row: Callable[[dict], None] | None = None, offset: int = 0) -> dict:
+              log=print, on_row: Callable[[dict], None] | None = None, offset: int = 0,
+              call_cost_rounds: int = 0, layers: int | None = None) -> dict:
     """Every part of one model; ``on_row`` gets the model's result as far as it got after each row (so that a run
-    stopped half-way keeps what it measured); ``offset``: see ``run_part``."""
+    stopped half-way keeps what it measured); ``offset``: see ``run_part``; ``call_cost_rounds``: also time the
+    compiled decoding step with its work taken out (:func:`call_cost`, causal models) in that many rounds; ``layers``:
+    see ``build_models``."""
     import torch
 
     spec = MODELS[name]
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     s = build_models(spec, build_dir, device, dtype, tiny, backend, repo_id,
-                     control=any(mo.startswith("copy") for mo in modes))
+                     control=any(mo.startswith("copy") for mo in modes), layers=layers)
     s.new_tokens = new_tokens
     res = dict(model=name, source=spec.source, kind=spec.kind, dtype=str(dtype).replace("torch.", ""),
                layers=s.models["eager"].config.num_hidden_layers, rows=[])
@@ -611,6 +670,13 @@ def run_model(name: str, build_dir: Path, *, parts: list, modes: list, rounds: i
                 log(f"  profile {res['rows'][-1]['part']} {mode}: GPU {p['gpu_ms']} ms, idle {p['idle_ms']} ms "
                     f"{p['categories']}"
                     + (f" nodes {p['autograd_nodes']}" if p["autograd_nodes"] else ""))
+    cmodes = [mo for mo in modes if "compile" in mo]
+    if call_cost_rounds and spec.kind == "causal" and "compile" in cmodes:
+        res["call_cost"] = call_cost(s, cmodes, call_cost_rounds)
+        log(f"{name} compiled decoding step with its work taken out, µs per call: "
+            + ", ".join(f"{mo} {v['us']} ({v['vs_compile']})" for mo, v in res["call_cost"].items()))
+        if on_row is not None:
+            on_row(res)
     if graph_lengths and any("compile" in m for m in modes):
         res["graphs"] = count_graphs(s, graph_lengths, graph_backend)
         res["graph_lengths"] = graph_lengths
@@ -683,6 +749,12 @@ def to_markdown(result: dict) -> str:
         if "graphs" in res:
             lines += ["", f"Dynamo graphs over prefill lengths {res['graph_lengths']} (backend "
                       f"`{res['graph_backend']}`): " + ", ".join(f"{k} {v}" for k, v in res["graphs"].items())]
+        if "call_cost" in res:
+            lines += ["", "Compiled decoding step with its work taken out (Dynamo's guards and the frame's argument "
+                      "and output handling; batch 1, static cache), µs per call: "
+                      + ", ".join(f"{mo} {v['us']}" + (f" ({_cell(v['vs_compile'])} of compile)"
+                                                        if mo != "compile" else "")
+                                  for mo, v in res["call_cost"].items())]
         lines.append("")
     return "\n".join(lines)
 
@@ -767,6 +839,13 @@ def run(args, log=print) -> dict:
             raise SystemExit(f"error: unknown mode {mo!r}; expected some of {','.join(MODES)}.")
     if "eager" not in modes:
         raise SystemExit("error: --modes must include eager (every ratio is taken against it).")
+    if args.layers is not None and args.layers < 1:
+        raise SystemExit(f"error: --layers {args.layers}: expected at least 1 layer.")
+    if args.call_cost < 0:
+        raise SystemExit(f"error: --call-cost {args.call_cost}: expected a number of rounds (0: off).")
+    if args.call_cost and "compile" not in modes:
+        raise SystemExit("error: --call-cost compares the compiled models' host cost per call to compile's: "
+                         "--modes must include compile.")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch._dynamo.config.cache_size_limit = 64
     lengths = [int(v) for v in args.graph_lengths.split(",")] if args.graph_lengths else []
@@ -790,7 +869,8 @@ def run(args, log=print) -> dict:
             tiny=args.tiny, backend=args.backend, new_tokens=args.new_tokens, graph_lengths=lengths,
             decode_batches=batches,
             graph_backend=args.graph_backend, repo_id=args.repo_id, profile=args.profile,
-            compile_decode=args.compile_decode, log=log, on_row=save_partial, offset=getattr(args, "offset", 0)))
+            compile_decode=args.compile_decode, log=log, on_row=save_partial, offset=getattr(args, "offset", 0),
+            call_cost_rounds=args.call_cost, layers=args.layers))
     if args.out is not None:
         write(result, args.out)
     return result
@@ -806,7 +886,7 @@ def run_processes(args, log=print) -> dict:
     modes take turns compiling first; then :func:`pool`. A host-bound compiled model's ratio moves with the
     process's state (T5 v1.1 base's compiled prefill: 0.968, 1.056 and 1.006 of compile in three processes on an
     H200, docs/development.md), so that one process is one sample. Each process's own report stays in
-    ``OUT/process-i``; the graph count and the profile run in the first process only."""
+    ``OUT/process-i``; the graph count, the profile and the call cost run in the first process only."""
     import multiprocessing
     import tempfile
 
@@ -817,7 +897,7 @@ def run_processes(args, log=print) -> dict:
         child = copy.copy(args)
         child.processes, child.offset, child.out = 1, i, base / f"process-{i}"
         if i:
-            child.graph_lengths, child.profile = "", False
+            child.graph_lengths, child.profile, child.call_cost = "", False, 0
         log(f"process {i + 1} of {args.processes} (report in {child.out})")
         proc = ctx.Process(target=_run_child, args=(child,))
         proc.start()
@@ -930,6 +1010,13 @@ def add_arguments(p) -> None:
                         "decoding step (transformers' CompileConfig: mode reduce-overhead with Inductor)")
     p.add_argument("--merge", nargs="+", type=Path, default=None, metavar="MODEL_JSON",
                    help="write one report (--out) from these model.json files instead of running")
+    p.add_argument("--layers", type=int, default=None,
+                   help="number of layers of every model (each stack of T5) in place of its own, e.g. a tiny config "
+                        "with the real model's depth for --call-cost on CPU")
+    p.add_argument("--call-cost", type=int, default=0, metavar="ROUNDS",
+                   help="also time each compiled model's decoding step with its work taken out (Dynamo's guards and "
+                        "call handling, what a CUDA-graph step pays on the host) in this many interleaved rounds; "
+                        "causal models, needs compile among --modes (default 0: off)")
     p.add_argument("--profile", action="store_true",
                    help="also profile one call per part and mode: GPU time by kernel category, top kernels, and the "
                         "autograd nodes of the training step")

@@ -74,6 +74,54 @@ def test_bad_decode_batches_are_named(build_dir, tmp_path):
     assert proc.returncode != 0 and "--decode-batches '1,x': expected comma-separated integers" in proc.stderr
 
 
+def test_call_cost_times_each_compiled_decoding_step_with_its_work_taken_out(build_dir, tmp_path):
+    """--call-cost times every compile mode's decoding step compiled with a backend that replays its outputs (the
+    host's part of a CUDA-graph step: guards and call handling) in interleaved rounds, as µs per call and per-round
+    ratios to compile; causal models only (an encoder-decoder's step takes other arguments)."""
+    res, md = _bench(build_dir, tmp_path, "--model", "gemma2-2b", "--model", "t5-v1.1-base", "--parts", "prefill",
+                     "--modes", "eager,compile,kernelized+compile,copy+compile", "--graph-lengths", "",
+                     "--call-cost", "3", "--layers", "3")
+    gemma, t5 = res["models"]
+    assert gemma["layers"] == t5["layers"] == 3  # --layers: the tiny configs have 2
+    cost = gemma["call_cost"]
+    assert list(cost) == ["compile", "kernelized+compile", "copy+compile"]
+    assert cost["compile"]["vs_compile"] == [1.0, 1.0, 1.0]
+    for mode, v in cost.items():
+        assert v["us"] > 0 and v["vs_compile"][1] <= v["vs_compile"][0] <= v["vs_compile"][2], (mode, v)
+    assert "call_cost" not in t5
+    line = next(x for x in md.splitlines() if x.startswith("Compiled decoding step with its work taken out"))
+    assert f"kernelized+compile {cost['kernelized+compile']['us']} ({_cell(cost['kernelized+compile']['vs_compile'])}" \
+        in line
+
+
+def test_with_layers_changes_only_the_depth():
+    """--layers: every model's config with another number of layers, and nothing else changed but what the config
+    class derives from the count (the per-layer attention types, one per layer)."""
+    from kerneltools.bench.model import MODELS, with_layers
+
+    for name, spec in MODELS.items():
+        for tiny in (True, False):
+            before = spec.config(tiny)
+            after = with_layers(before, 5)
+            a, b = before.to_dict(), after.to_dict()
+            changed = {k for k in set(a) | set(b) if a.get(k) != b.get(k)}
+            depth = {"num_layers", "num_decoder_layers"} if name.startswith("t5") else {"num_hidden_layers"}
+            assert depth <= changed <= depth | {"layer_types", "per_layer_config"}, (name, changed)
+            assert all(b[k] == 5 for k in depth), name
+            if b.get("layer_types") is not None:
+                assert len(b["layer_types"]) == 5, name
+
+
+def test_bad_call_cost_and_layers_are_named(build_dir, tmp_path):
+    proc = _run_bench(build_dir, tmp_path / "out", "--model", "gemma2-2b", "--modes", "eager,kernelized+compile",
+                      "--call-cost", "3")
+    assert proc.returncode != 0 and "--modes must include compile" in proc.stderr
+    proc = _run_bench(build_dir, tmp_path / "out", "--model", "gemma2-2b", "--call-cost", "-1")
+    assert proc.returncode != 0 and "--call-cost -1: expected a number of rounds" in proc.stderr
+    proc = _run_bench(build_dir, tmp_path / "out", "--model", "gemma2-2b", "--layers", "0")
+    assert proc.returncode != 0 and "--layers 0: expected at least 1 layer" in proc.stderr
+
+
 def test_copy_modes_are_an_a_a_control(build_dir, tmp_path):
     """copy / copy+compile time a plain deep copy of the eager model beside the others: its compiled forward is
     compiled for itself (as many graphs as compile's, none borrowed from the eager model's cache), and the graph
