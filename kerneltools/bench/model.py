@@ -567,7 +567,7 @@ def call_cost(s: Setup, modes: list, rounds: int, calls: int = 200) -> dict:
     each compile mode's model is compiled (fullgraph) with a backend that returns the graph's outputs from its first
     run, so a call is Dynamo's guards, the frame's argument handling and the outputs' rebuilding, which a compiled
     step pays on the host before its CUDA graph replays. Median µs per call over ``rounds`` interleaved rounds of
-    ``calls`` calls each, and the per-round ratio to compile."""
+    ``calls`` calls each, and the per-round ratio to compile (``modes`` must hold compile)."""
     import torch
     from transformers import StaticCache
 
@@ -575,11 +575,10 @@ def call_cost(s: Setup, modes: list, rounds: int, calls: int = 200) -> dict:
         out = gm(*example_inputs)
         return lambda *args: out
 
-    steps = {}
+    ids, steps = _ids(s, 1, 16), {}
     for mode in modes:
         _kernelize_for(s, mode, False)
         m = _mode_model(s, mode)
-        ids = _ids(s, 1, 16)
         cache = StaticCache(config=m.config, max_cache_len=32)
         f = torch.compile(own_code(m.forward, f"{_model_key(s, m)}_call_cost"), backend=replay, fullgraph=True)
         with torch.no_grad():
@@ -600,8 +599,7 @@ def call_cost(s: Setup, modes: list, rounds: int, calls: int = 200) -> dict:
                     f(**kw)
                 times[mode].append((time.perf_counter() - t0) / calls * 1e6)
     ratios = _round_ratios(times, "compile")
-    return {mode: dict(us=round(median(ts), 1), vs_compile=_spread(ratios[mode]) if ratios else None)
-            for mode, ts in times.items()}
+    return {mode: dict(us=round(median(ts), 1), vs_compile=_spread(ratios[mode])) for mode, ts in times.items()}
 
 
 def count_graphs(s: Setup, lengths: list, backend: str) -> dict:
@@ -920,8 +918,8 @@ def pool(results: list) -> dict:
     """One result from runs of one benchmark in several processes (:func:`run_processes`): per model, part and
     mode, the per-round ratios of all the processes together (median [min, max]) and each process's median
     (``vs_eager_processes``, ``vs_compile_processes``); the median of their times and first calls, the largest
-    peak. Graph counts (the first calls' and over lengths) and profiles are the first process's (the only one
-    that takes the last two). A part that not every process reached is left out, and the result is then marked
+    peak. Graph counts (the first calls' and over lengths), profiles and call costs are the first process's (the
+    only one that takes the last three). A part that not every process reached is left out, and the result is then marked
     partial."""
     first = results[0]
     out = dict(first, models=[], processes=len(results))
