@@ -43,7 +43,7 @@ def main(args) -> int:
 
     if args.out is None:
         args.out = Path("benchmarks/results")
-    if args.model or args.merge:
+    if args.model or args.merge or args.pool:
         return _model.main(args)
     if args.mlp_only and args.no_mlp:
         print("error: --mlp-only and --no-mlp leave nothing to run; give one of them.", file=sys.stderr)

@@ -697,7 +697,8 @@ def _cell(v) -> str:
 
 def _in_processes(run: dict) -> str:
     n = run.get("processes", 1)
-    return f" in each of {n} processes (first calls and rounds rotated by one place per process)" if n > 1 else ""
+    offsets = ", ".join(map(str, run.get("offsets") or range(n)))
+    return f" in each of {n} processes (first calls and rounds rotated, by offsets {offsets})" if n > 1 else ""
 
 
 def _per_process(row: dict) -> str:
@@ -854,8 +855,9 @@ def run(args, log=print) -> dict:
                          "e.g. 1,8.") from None
     if not batches or min(batches) < 1:
         raise SystemExit(f"error: --decode-batches {args.decode_batches!r}: expected batch sizes of at least 1.")
+    offset = getattr(args, "offset", 0)
     result = dict(meta=meta(torch), device=device, rounds=args.rounds, reps=args.reps, backend=args.backend,
-                  models=[])
+                  offset=offset, models=[])
 
     def save_partial(model_res: dict) -> None:  # after each row: a run stopped half-way keeps what it measured
         if args.out is not None:
@@ -867,7 +869,7 @@ def run(args, log=print) -> dict:
             tiny=args.tiny, backend=args.backend, new_tokens=args.new_tokens, graph_lengths=lengths,
             decode_batches=batches,
             graph_backend=args.graph_backend, repo_id=args.repo_id, profile=args.profile,
-            compile_decode=args.compile_decode, log=log, on_row=save_partial, offset=getattr(args, "offset", 0),
+            compile_decode=args.compile_decode, log=log, on_row=save_partial, offset=offset,
             call_cost_rounds=args.call_cost, layers=args.layers))
     if args.out is not None:
         write(result, args.out)
@@ -915,14 +917,24 @@ def run_processes(args, log=print) -> dict:
 
 
 def pool(results: list) -> dict:
-    """One result from runs of one benchmark in several processes (:func:`run_processes`): per model, part and
+    """One result from runs of one benchmark in several processes (:func:`run_processes`, or ``--pool`` of runs made
+    apart, each with its own ``--offset``): per model, part and
     mode, the per-round ratios of all the processes together (median [min, max]) and each process's median
     (``vs_eager_processes``, ``vs_compile_processes``); the median of their times and first calls, the largest
     peak. Graph counts (the first calls' and over lengths), profiles and call costs are the first process's (the
-    only one that takes the last three). A part that not every process reached is left out, and the result is then marked
-    partial."""
+    only one that takes the last three). A part that not every process reached is left out, and the result is then
+    marked partial."""
     first = results[0]
-    out = dict(first, models=[], processes=len(results))
+    names = [res["model"] for res in first["models"]]
+    for r in results[1:]:
+        if [res["model"] for res in r["models"]][:len(names)] != names[:len(r["models"])]:
+            other = [res["model"] for res in r["models"]]
+            raise ValueError(f"cannot pool runs of different models: {names} and {other}")
+    offsets = [r.get("offset", i) for i, r in enumerate(results)]
+    if len(set(offsets)) < len(offsets):
+        raise ValueError(f"the runs have the same --offset ({offsets}): each process should compile the modes in "
+                         "its own order; give each run a different --offset")
+    out = dict(first, models=[], processes=len(results), offsets=offsets)
     out["partial"] = any(r.get("partial") for r in results)
     for k, res in enumerate(first["models"]):
         rows = []
@@ -1008,6 +1020,12 @@ def add_arguments(p) -> None:
                         "decoding step (transformers' CompileConfig: mode reduce-overhead with Inductor)")
     p.add_argument("--merge", nargs="+", type=Path, default=None, metavar="MODEL_JSON",
                    help="write one report (--out) from these model.json files instead of running")
+    p.add_argument("--pool", nargs="+", type=Path, default=None, metavar="MODEL_JSON",
+                   help="write one report (--out) pooling these model.json files, runs of one benchmark in separate "
+                        "processes (e.g. one per device call, each with its own --offset), as --processes does")
+    p.add_argument("--offset", type=int, default=0,
+                   help="rotate which mode compiles first and the rounds' order by this many places (default 0; "
+                        "--processes gives process i the offset i)")
     p.add_argument("--layers", type=int, default=None,
                    help="number of layers of every model (each stack of T5) in place of its own, e.g. a tiny config "
                         "with the real model's depth for --call-cost on CPU")
@@ -1021,11 +1039,22 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
-    if args.merge:
+    if args.merge and args.pool:
+        raise SystemExit("error: --merge and --pool each write a report: give one of them")
+    if args.merge or args.pool:
         if args.out is None:
-            raise SystemExit("error: --merge needs --out DIR")
-        write(merge(args.merge), args.out)
+            raise SystemExit(f"error: {'--merge' if args.merge else '--pool'} needs --out DIR")
+        if args.merge:
+            write(merge(args.merge), args.out)
+            return 0
+        results = [json.loads(Path(p).read_text()) for p in args.pool]
+        try:
+            write(pool(results), args.out)
+        except ValueError as e:
+            raise SystemExit(f"error: --pool: {e}") from None
         return 0
+    if args.offset < 0:
+        raise SystemExit(f"error: --offset {args.offset}: expected 0 or more.")
     if args.repo_id is None:
         from kerneltools.transformers_kernels import DEFAULT_REPO_ID
 

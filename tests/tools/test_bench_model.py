@@ -356,6 +356,13 @@ def test_processes_pool_their_rounds_and_rotate_the_first_calls(build_dir, tmp_p
         assert v["ms"] == max(rows[0][mode]["ms"], rows[1][mode]["ms"])  # the upper median of two
     md = (out / "model.md").read_text()
     assert "in each of 2 processes" in md and "Each process's median ratio" in md
+    assert [r["offset"] for r in runs] == [0, 1] and pooled["offsets"] == [0, 1]
+    # --pool of the two reports (runs made apart, e.g. one per device call) gives the same pooled result
+    again = _run_bench(build_dir, tmp_path / "again", "--pool", *(str(out / f"process-{i}" / "model.json")
+                                                                  for i in range(2)))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads((tmp_path / "again" / "model.json").read_text())["models"] == pooled["models"]
+    assert "in each of 2 processes" in (tmp_path / "again" / "model.md").read_text()
 
 
 def test_pool_leaves_out_parts_a_process_did_not_reach():
@@ -391,6 +398,26 @@ def test_pool_leaves_out_parts_a_process_did_not_reach():
     assert k["vs_eager"] == _upper_median_spread(rounds) and k["vs_compile"] is None
     with pytest.raises(ValueError, match="cannot pool m prefill"):
         bm.pool([full, result([row("prefill", ("eager", "copy")), row("train")])])
+    other = result([row("prefill")])
+    other["models"][0]["model"] = "n"
+    with pytest.raises(ValueError, match="cannot pool runs of different models"):
+        bm.pool([full, other])
+    with pytest.raises(ValueError, match="give each run a different --offset"):
+        bm.pool([dict(full, offset=1), dict(cut, offset=1)])
+
+
+def test_bad_pool_is_named(build_dir, tmp_path):
+    """--pool refuses runs that compiled the modes in the same order, and --merge with --pool, by name."""
+    a = dict(meta={}, device="cpu", rounds=1, reps=1, backend="inductor", offset=0, models=[])
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.json").write_text(json.dumps(a))
+    proc = _run_bench(build_dir, tmp_path / "out", "--pool", str(tmp_path / "a.json"), str(tmp_path / "b.json"))
+    assert proc.returncode != 0 and "--pool: the runs have the same --offset ([0, 0])" in proc.stderr
+    proc = _run_bench(build_dir, tmp_path / "out", "--pool", str(tmp_path / "a.json"),
+                      "--merge", str(tmp_path / "b.json"))
+    assert proc.returncode != 0 and "--merge and --pool each write a report: give one of them" in proc.stderr
+    proc = _run_bench(build_dir, tmp_path / "out", "--model", "t5-v1.1-base", "--offset", "-1")
+    assert proc.returncode != 0 and "--offset -1: expected 0 or more" in proc.stderr
 
 
 def test_bad_processes_are_named(build_dir, tmp_path):
