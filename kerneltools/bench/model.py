@@ -711,6 +711,18 @@ def _per_process(row: dict) -> str:
     return f"{row['part']} (/ {base}) " + "; ".join(cells) if cells else ""
 
 
+def _vs_copy(row: dict) -> str:
+    """The kernelized model's time over the unkernelized copy's, round by round (median [min, max]), for each mode
+    pair the row timed ("" for none): the A/A-controlled ratio, free of what the benchmark's host model has over any
+    second model in the process."""
+    cells = []
+    for kern, cp in (("kernelized", "copy"), ("kernelized+compile", "copy+compile")):
+        k, c = (row["modes"].get(mo, {}).get("vs_eager_rounds") for mo in (kern, cp))
+        if k and c and len(k) == len(c):
+            cells.append(f"{kern} / {cp} {_cell(_spread([a / b for a, b in zip(k, c)]))}")
+    return f"{row['part']}: " + ", ".join(cells) if cells else ""
+
+
 def to_markdown(result: dict) -> str:
     m = result["meta"]
     lines = [f"# Whole models through kernelize on {m['card']}", "",
@@ -745,6 +757,9 @@ def to_markdown(result: dict) -> str:
         if per_process:
             lines += ["", "Each process's median ratio (the ratios above pool every process's rounds): "
                       + "; ".join(per_process) + "."]
+        vs_copy = [line for line in map(_vs_copy, res["rows"]) if line]
+        if vs_copy:
+            lines += ["", "Kernelized against the unkernelized copy in the same rounds: " + "; ".join(vs_copy) + "."]
         if "graphs" in res:
             lines += ["", f"Dynamo graphs over prefill lengths {res['graph_lengths']} (backend "
                       f"`{res['graph_backend']}`): " + ", ".join(f"{k} {v}" for k, v in res["graphs"].items())]
@@ -986,7 +1001,7 @@ def merge(paths: list) -> dict:
     for r in results:
         for res in r["models"]:
             run = res.get("run") or dict(meta=r["meta"], rounds=r["rounds"], reps=r["reps"], backend=r["backend"],
-                                         processes=r.get("processes", 1))
+                                         processes=r.get("processes", 1), offsets=r.get("offsets"))
             merged["models"].append(dict(res, run=run))
     return merged
 

@@ -357,6 +357,12 @@ def test_processes_pool_their_rounds_and_rotate_the_first_calls(build_dir, tmp_p
     md = (out / "model.md").read_text()
     assert "in each of 2 processes" in md and "Each process's median ratio" in md
     assert [r["offset"] for r in runs] == [0, 1] and pooled["offsets"] == [0, 1]
+    # the kernelized model against the copy, round by round over both processes
+    modes = pooled["models"][0]["rows"][0]["modes"]
+    vs_copy = [k / c for k, c in zip(modes["kernelized"]["vs_eager_rounds"], modes["copy"]["vs_eager_rounds"])]
+    want = "[{:.3f}, {:.3f}]".format(*_upper_median_spread(vs_copy)[1:])
+    line = next(x for x in md.splitlines() if x.startswith("Kernelized against the unkernelized copy"))
+    assert f"prefill: kernelized / copy {_upper_median_spread(vs_copy)[0]:.3f} {want}" in line, line
     # --pool of the two reports (runs made apart, e.g. one per device call) gives the same pooled result
     again = _run_bench(build_dir, tmp_path / "again", "--pool", *(str(out / f"process-{i}" / "model.json")
                                                                   for i in range(2)))
