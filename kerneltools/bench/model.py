@@ -853,6 +853,8 @@ def run(args, log=print) -> dict:
             raise SystemExit(f"error: unknown mode {mo!r}; expected some of {','.join(MODES)}.")
     if "eager" not in modes:
         raise SystemExit("error: --modes must include eager (every ratio is taken against it).")
+    if args.offset < 0:
+        raise SystemExit(f"error: --offset {args.offset}: expected 0 or more.")
     if args.layers is not None and args.layers < 1:
         raise SystemExit(f"error: --layers {args.layers}: expected at least 1 layer.")
     if args.call_cost < 0:
@@ -870,9 +872,8 @@ def run(args, log=print) -> dict:
                          "e.g. 1,8.") from None
     if not batches or min(batches) < 1:
         raise SystemExit(f"error: --decode-batches {args.decode_batches!r}: expected batch sizes of at least 1.")
-    offset = getattr(args, "offset", 0)
     result = dict(meta=meta(torch), device=device, rounds=args.rounds, reps=args.reps, backend=args.backend,
-                  offset=offset, models=[])
+                  offset=args.offset, models=[])
 
     def save_partial(model_res: dict) -> None:  # after each row: a run stopped half-way keeps what it measured
         if args.out is not None:
@@ -884,7 +885,7 @@ def run(args, log=print) -> dict:
             tiny=args.tiny, backend=args.backend, new_tokens=args.new_tokens, graph_lengths=lengths,
             decode_batches=batches,
             graph_backend=args.graph_backend, repo_id=args.repo_id, profile=args.profile,
-            compile_decode=args.compile_decode, log=log, on_row=save_partial, offset=offset,
+            compile_decode=args.compile_decode, log=log, on_row=save_partial, offset=args.offset,
             call_cost_rounds=args.call_cost, layers=args.layers))
     if args.out is not None:
         write(result, args.out)
@@ -942,8 +943,8 @@ def pool(results: list) -> dict:
     first = results[0]
     names = [res["model"] for res in first["models"]]
     for r in results[1:]:
-        if [res["model"] for res in r["models"]][:len(names)] != names[:len(r["models"])]:
-            other = [res["model"] for res in r["models"]]
+        other = [res["model"] for res in r["models"]]
+        if other[:len(names)] != names[:len(other)]:
             raise ValueError(f"cannot pool runs of different models: {names} and {other}")
     offsets = [r.get("offset", i) for i, r in enumerate(results)]
     if len(set(offsets)) < len(offsets):
@@ -1054,22 +1055,21 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
-    if args.merge and args.pool:
-        raise SystemExit("error: --merge and --pool each write a report: give one of them")
     if args.merge or args.pool:
+        if args.merge and args.pool:
+            raise SystemExit("error: --merge and --pool each write a report: give one of them")
         if args.out is None:
             raise SystemExit(f"error: {'--merge' if args.merge else '--pool'} needs --out DIR")
         if args.merge:
-            write(merge(args.merge), args.out)
-            return 0
-        results = [json.loads(Path(p).read_text()) for p in args.pool]
-        try:
-            write(pool(results), args.out)
-        except ValueError as e:
-            raise SystemExit(f"error: --pool: {e}") from None
+            result = merge(args.merge)
+        else:
+            runs = [json.loads(p.read_text()) for p in args.pool]
+            try:
+                result = pool(runs)
+            except ValueError as e:  # runs that cannot be pooled
+                raise SystemExit(f"error: --pool: {e}") from None
+        write(result, args.out)
         return 0
-    if args.offset < 0:
-        raise SystemExit(f"error: --offset {args.offset}: expected 0 or more.")
     if args.repo_id is None:
         from kerneltools.transformers_kernels import DEFAULT_REPO_ID
 
