@@ -25,11 +25,11 @@ from ._triton import INTERPRET, _device_guard, _launch, _next_pow2, _round, _sm_
 
 MAX_FUSED_D = 16384  # widest row kept in registers (power of two)
 CHUNK = 4096  # slice width of the looped kernels (rows wider than MAX_FUSED_D)
+DW_BLOCK_G, DW_BLOCK_C = 32, 128  # the dw reduction's tile: partial rows x columns
 
 
 @triton.jit
-def _fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, M, stride_x, stride_y,
-                D: tl.constexpr, EPS: tl.constexpr, INV_D: tl.constexpr, OFFSET: tl.constexpr,
+def _fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, M, stride_x, stride_y, D, EPS, INV_D, OFFSET,
                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, SAVE_RSTD: tl.constexpr):
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M).to(tl.int64) + tl.cast(pid, tl.int64) * BLOCK_M
@@ -47,7 +47,7 @@ def _fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, M, stride_x, stride_y,
 
 
 @triton.jit
-def _row_rstd(x_row, D: tl.constexpr, EPS: tl.constexpr, INV_D: tl.constexpr, CHUNK: tl.constexpr):
+def _row_rstd(x_row, D, EPS, INV_D, CHUNK: tl.constexpr):
     """rsqrt(mean(x^2) + eps) of one row wider than a slice, its squares summed in CHUNK-wide slices."""
     acc = tl.zeros([CHUNK], dtype=tl.float32)
     for k in range(0, D, CHUNK):
@@ -58,8 +58,7 @@ def _row_rstd(x_row, D: tl.constexpr, EPS: tl.constexpr, INV_D: tl.constexpr, CH
 
 
 @triton.jit
-def _fwd_looped_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, stride_x, stride_y,
-                       D: tl.constexpr, EPS: tl.constexpr, INV_D: tl.constexpr, OFFSET: tl.constexpr,
+def _fwd_looped_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, stride_x, stride_y, D, EPS, INV_D, OFFSET,
                        CHUNK: tl.constexpr, SAVE_RSTD: tl.constexpr):
     row = tl.cast(tl.program_id(0), tl.int64)
     x_row = x_ptr + row * stride_x
@@ -76,9 +75,8 @@ def _fwd_looped_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, stride_x, stride_y,
 
 
 @triton.jit
-def _bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dwp_ptr, M, stride_dy, stride_x, stride_dx,
-                D: tl.constexpr, EPS: tl.constexpr, INV_D: tl.constexpr, OFFSET: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HAS_RSTD: tl.constexpr, HAS_DW: tl.constexpr):
+def _bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dwp_ptr, M, stride_dy, stride_x, stride_dx, D, EPS, INV_D,
+                OFFSET, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HAS_RSTD: tl.constexpr, HAS_DW: tl.constexpr):
     """Program ``pid`` handles the row blocks pid, pid + G, ... (G programs) and writes its dw partial to row
     ``pid`` of dwp [G, D] (fp32)."""
     pid = tl.program_id(0)
@@ -109,9 +107,8 @@ def _bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dwp_ptr, M, stride_dy, s
 
 
 @triton.jit
-def _bwd_looped_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dwp_ptr, M, stride_dy, stride_x, stride_dx,
-                       D: tl.constexpr, EPS: tl.constexpr, INV_D: tl.constexpr, OFFSET: tl.constexpr,
-                       CHUNK: tl.constexpr, HAS_RSTD: tl.constexpr, HAS_DW: tl.constexpr):
+def _bwd_looped_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dwp_ptr, M, stride_dy, stride_x, stride_dx, D, EPS,
+                       INV_D, OFFSET, CHUNK: tl.constexpr, HAS_RSTD: tl.constexpr, HAS_DW: tl.constexpr):
     """Rows wider than MAX_FUSED_D: one row at a time, in slices; the program's dw partial row (zero-initialised
     by the caller) is read, added to and written per row, by this program only."""
     pid = tl.program_id(0)
@@ -150,7 +147,7 @@ def _bwd_looped_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dwp_ptr, M, strid
 
 
 @triton.jit
-def _dw_kernel(dwp_ptr, dw_ptr, G, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr):
+def _dw_kernel(dwp_ptr, dw_ptr, G, D, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr):
     """dw[cols] = W(sum over the G partial rows), in a fixed order."""
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < D
@@ -270,11 +267,11 @@ def launch_fwd(y2, x2, w, rstd, M: int, D: int, eps: float, offset: float, sx: i
     rstd_arg = rstd if save else y2
     with _device_guard(x2):
         if looped:
-            _launch(_fwd_looped_kernel, grid, (x2, w, y2, rstd_arg, sx, sy),
-                    (D, eps, inv_d(D), offset, block_d, save), num_warps, x2.device)
+            _launch(_fwd_looped_kernel, grid, (x2, w, y2, rstd_arg, sx, sy, D, eps, inv_d(D), offset),
+                    (block_d, save), num_warps, x2.device)
         else:
-            _launch(_fwd_kernel, grid, (x2, w, y2, rstd_arg, M, sx, sy),
-                    (D, eps, inv_d(D), offset, block_m, block_d, save), num_warps, x2.device)
+            _launch(_fwd_kernel, grid, (x2, w, y2, rstd_arg, M, sx, sy, D, eps, inv_d(D), offset),
+                    (block_m, block_d, save), num_warps, x2.device)
 
 
 def forward(x: torch.Tensor, w: torch.Tensor, eps: float, offset: float, save_rstd: bool = False, tiles=None):
@@ -329,17 +326,18 @@ def backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd, eps: floa
     if need_dw:
         dwp = (torch.zeros if looped else torch.empty)((G, D), dtype=torch.float32, device=x.device)
     has_rstd = rstd is not None
-    consts = (D, eps, inv_d(D), offset, block_d, has_rstd, need_dw)
     with _device_guard(x):
-        args = (dy2, x2, w, rstd if has_rstd else x2, dx2, dwp if need_dw else x2, M, sdy, sx, sdx)
+        args = (dy2, x2, w, rstd if has_rstd else x2, dx2, dwp if need_dw else x2, M, sdy, sx, sdx, D, eps,
+                inv_d(D), offset)
         if looped:
-            _launch(_bwd_looped_kernel, grid, args, consts, num_warps, x.device)
+            _launch(_bwd_looped_kernel, grid, args, (block_d, has_rstd, need_dw), num_warps, x.device)
         else:
-            _launch(_bwd_kernel, grid, args, consts[:4] + (block_m,) + consts[4:], num_warps, x.device)
+            _launch(_bwd_kernel, grid, args, (block_m, block_d, has_rstd, need_dw), num_warps, x.device)
         dw = None
         if need_dw:
             dw = torch.empty(D, dtype=w.dtype, device=w.device)
-            _launch(_dw_kernel, (triton.cdiv(D, 128),), (dwp, dw, G), (D, 32, 128), 4, x.device)
+            _launch(_dw_kernel, (triton.cdiv(D, DW_BLOCK_C),), (dwp, dw, G, D), (DW_BLOCK_G, DW_BLOCK_C), 4,
+                    x.device)
     if tmp is not None:
         dx.copy_(tmp.view(x.shape))
     return dx, dw
