@@ -4,11 +4,13 @@ Variants (see docs/design.md):
 
 * ``torch-cpu``   noarch, the Python package with the CPU implementation;
 * ``torch-cuda``  noarch, Triton kernels only (any torch / CUDA that the compiled variant does not serve);
-* ``torch-stable-abi210-cu<XY>-x86_64-linux``  the compiled CUDA library + the Python package.
+* ``torch-stable-abi210-cu<XY>-x86_64-linux``  the compiled CUDA library + the Python package + the Triton kernels
+  prebuilt for sm_90 (``_prebuilt_sm90.*``, :mod:`.aot`; ``--aot-capability`` picks the architectures).
 
 Each variant is a flat folder: the package's ``*.py`` files, a generated ``_ops.py`` and ``metadata.json``.
 The modules: :mod:`.config` (build.toml, source and ops ids, metadata.json), :mod:`.noarch` (the two noarch
-variants) and :mod:`.cuda` (the compiled stable-ABI variant: nvcc, the torch binding, the ABI check).
+variants), :mod:`.cuda` (the compiled stable-ABI variant: nvcc, the torch binding, the ABI check) and :mod:`.aot`
+(the prebuilt Triton kernels).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from . import cuda, noarch
+from . import aot, cuda, noarch
 from .config import BuildError, read_config, source_id
 
 VARIANTS = ("cpu", "cuda", "cuda-compiled")
@@ -25,7 +27,7 @@ __all__ = ["build", "BuildError", "read_config", "source_id", "VARIANTS"]
 
 
 def build(root: Path, out_root: Path | None = None, *, variants: list[str] | None = None,
-          capability: str | None = None, log=print) -> list[Path]:
+          capability: str | None = None, aot_capability: str | None = None, log=print) -> list[Path]:
     """Build the requested variants (default: every one build.toml asks for) into ``out_root``."""
     root = Path(root).resolve()
     cfg = read_config(root)
@@ -40,7 +42,8 @@ def build(root: Path, out_root: Path | None = None, *, variants: list[str] | Non
             built.append(noarch.build_noarch(cfg, out_root, v, sid))
             log(f"built {built[-1].relative_to(out_root.parent) if out_root.parent in built[-1].parents else built[-1]}")
         elif v == "cuda-compiled":
-            built.append(cuda.build_compiled(cfg, out_root, sid, capability=capability, log=log))
+            built.append(cuda.build_compiled(cfg, out_root, sid, capability=capability, log=log,
+                                             aot_archs=aot.parse_archs(aot_capability)))
         else:
             raise BuildError(f"Unknown variant {v!r}: expected one of {', '.join(VARIANTS)}.")
     return built
@@ -53,12 +56,17 @@ def add_parser(sub) -> None:
     p.add_argument("--variant", action="append", choices=list(VARIANTS), help="variant(s) to build (default: all)")
     p.add_argument("--capability", default=None,
                    help="compile for this one CUDA capability (e.g. 9.0) instead of build.toml's list")
+    p.add_argument("--aot-capability", default=None,
+                   help="prebuild the Triton kernels of the compiled variant for these CUDA capabilities (default "
+                        f"{','.join(f'{a // 10}.{a % 10}' for a in aot.DEFAULT_ARCHS)}; e.g. 8.0,9.0; 'none': "
+                        "Triton's JIT compiles them on the user's machine)")
     p.set_defaults(_main=main)
 
 
 def main(args) -> int:
     try:
-        build(args.root, args.out, variants=args.variant, capability=args.capability)
+        build(args.root, args.out, variants=args.variant, capability=args.capability,
+              aot_capability=args.aot_capability)
     except BuildError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -41,6 +41,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import aot
 from .config import BuildError, KernelConfig, SourceId, fresh_dir, ops_id, ops_py, python_files, write_metadata
 
 KEY_MARKER = b"kerneltools-build-key:"
@@ -443,8 +444,10 @@ def _extra_nvcc_flags() -> list[str]:
     return shlex.split(os.environ.get("GEGLU_NVCC_FLAGS", ""))
 
 
-def build_compiled(cfg: KernelConfig, out_root: Path, sid: SourceId, capability: str | None = None, log=print) -> Path:
-    """Write ``out_root/torch-stable-abi<XY>-cu<XY>-<cpu>-linux/`` and return it (see the module docstring)."""
+def build_compiled(cfg: KernelConfig, out_root: Path, sid: SourceId, capability: str | None = None, log=print,
+                   aot_archs: list[int] | None = None) -> Path:
+    """Write ``out_root/torch-stable-abi<XY>-cu<XY>-<cpu>-linux/`` and return it (see the module docstring), with
+    the Triton kernels prebuilt for ``aot_archs`` (``aot.DEFAULT_ARCHS`` when None; [] for none)."""
     t0 = time.monotonic()
     if log is print:
         log = functools.partial(print, flush=True)  # progress shows up promptly in CI logs too
@@ -499,6 +502,7 @@ def build_compiled(cfg: KernelConfig, out_root: Path, sid: SourceId, capability:
     for p in py_files:
         shutil.copy2(p, variant / p.name)
     (variant / "_ops.py").write_text(ops_py(name, load_library=True))
+    aot.build_aot(cfg, variant, list(aot.DEFAULT_ARCHS) if aot_archs is None else aot_archs, log)
     write_metadata(variant, cfg, sid, name, {"type": "cuda", "archs": metadata_archs(caps)})
     log(f"built {variant} in {time.monotonic() - t0:.1f}s")
     return variant

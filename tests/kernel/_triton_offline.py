@@ -15,9 +15,10 @@ Writes OUT_DIR/<tag>.ptx and OUT_DIR/<tag>.cubin for
 and OUT_DIR/manifest.json listing them, with _triton.py's inline PTX for erf, tanh and exp.
 """
 
-import importlib.util
+import importlib
 import json
 import sys
+import types
 from pathlib import Path
 
 import torch
@@ -26,12 +27,14 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-SOURCE = Path(__file__).resolve().parents[2] / "torch-ext" / "geglu" / "_triton.py"
+PACKAGE = Path(__file__).resolve().parents[2] / "torch-ext" / "geglu"
 
-_spec = importlib.util.spec_from_file_location("geglu_triton_offline", SOURCE)
-tri = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = tri
-_spec.loader.exec_module(tri)
+# the package's _triton module, imported as a submodule of a stand-in package (its __init__, which needs the
+# built _ops, is not run)
+_pkg = types.ModuleType("geglu_triton_offline")
+_pkg.__path__ = [str(PACKAGE)]
+sys.modules[_pkg.__name__] = _pkg
+tri = importlib.import_module("geglu_triton_offline._triton")
 if tri.INTERPRET:
     sys.exit("TRITON_INTERPRET=1 is set: _triton.py would define the interpreter's functions, not CUDA's PTX")
 

@@ -72,7 +72,7 @@ def test_configure_changes_and_restores(geglu):
 
 
 def test_configure_refuses_unknown_settings_and_values(geglu):
-    with pytest.raises(TypeError, match="unknown setting.*fused_mpl.*expected backend, fused_mlp, fused_training or cuda_plan"):
+    with pytest.raises(TypeError, match="unknown setting.*fused_mpl.*expected backend, fused_mlp, fused_training, cuda_plan or prebuilt"):
         geglu.configure(fused_mpl=False)
     with pytest.raises(TypeError, match=r"fused_mlp='no'\): expected True or False"):
         geglu.configure(fused_mlp="no")

@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -106,7 +107,8 @@ def test_variant_name_and_flat_layout(built):
     entries = sorted(p.name for p in built.variant.iterdir())
     assert not [p for p in built.variant.iterdir() if p.is_dir()], f"variant folder must be flat: {entries}"
     package = sorted(p.name for p in (REPO / "torch-ext" / "geglu").glob("*.py") if p.name != "_ops.py")
-    assert entries == sorted(package + ["_ops.py", "metadata.json", f"{built.ops}.abi3.so"])
+    assert entries == sorted(package + ["_ops.py", "metadata.json", f"{built.ops}.abi3.so", "_prebuilt_sm90.cubin",
+                                        "_prebuilt_sm90.json"])
     assert "__init__.py" in entries
     assert any("compiling device code" in line for line in built.log), "progress lines missing"
     assert any("ABI check" in line for line in built.log)
@@ -145,6 +147,52 @@ def test_metadata(built):
     # The digest is what kernels-data computes for the folder.
     digest = kernels_data.Digest.hash_variant(kernels_data.DigestAlgorithm.SHA256, built.variant)
     kernels_data.Metadata.read_from_file(path).digest.validate(digest)
+
+
+def test_prebuilt_kernels_in_the_variant(built):
+    """The compiled variant carries the Triton kernels prebuilt for sm_90 (the default): an index with one entry per
+    launch the package's plans can make, each a zlib-compressed sm_90 cubin holding its entry point, the Triton
+    that compiled them; the metadata's digest lists both files, and the build log says what it compiled."""
+    import triton
+
+    from kerneltools.build import aot
+
+    index = json.loads((built.variant / "_prebuilt_sm90.json").read_text())
+    blob = (built.variant / "_prebuilt_sm90.cubin").read_bytes()
+    assert index["arch"] == 90 and index["triton"] == triton.__version__ and index["compression"] == "zlib"
+    want = [(l["fn"], l["consts"], l["num_warps"], l["num_stages"]) for l in _launches()]
+    assert sorted(map(repr, ((e["fn"], e["consts"], e["num_warps"], e["num_stages"]) for e in index["kernels"]))) \
+        == sorted(map(repr, want))
+    for e in index["kernels"][::37]:
+        cubin = zlib.decompress(blob[e["offset"]:e["offset"] + e["size"]])
+        assert cubin[:4] == b"\x7fELF" and e["name"].encode() in cubin, e["fn"]
+        assert len(e["types"]) == len(e["hints"]) and e["shared"] <= aot.MAX_SHARED[90]
+    files = json.loads((built.variant / "metadata.json").read_text())["digest"]["files"]
+    assert {"_prebuilt_sm90.json", "_prebuilt_sm90.cubin"} <= set(files)
+    assert any("prebuilt Triton kernels" in line for line in built.log), built.log
+
+
+def _launches():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import json, sys; from pathlib import Path; from kerneltools.build import aot; "
+            "print(json.dumps(aot.launches(Path(sys.argv[1]))))")
+    proc = subprocess.run([sys.executable, "-c", code, str(REPO / "torch-ext" / "geglu")], capture_output=True,
+                          text=True, env=env, check=True)
+    return json.loads(proc.stdout)
+
+
+def test_no_prebuilt_kernels_when_asked_for_none(built, tmp_path, monkeypatch):
+    """``--aot-capability none``: the compiled variant without prebuilt kernels (Triton's JIT on the user's
+    machine); a bad capability list is a clear error."""
+    from kerneltools.build import aot
+
+    monkeypatch.setenv("KERNELTOOLS_CUDA_CACHE", str(built.cache))
+    variant = cuda_build.build_compiled(kbuild.read_config(REPO), tmp_path, _sid(), capability=CAP,
+                                        log=lambda *a: None, aot_archs=aot.parse_archs("none"))
+    assert not list(variant.glob("_prebuilt_*"))
+    assert aot.parse_archs(None) == list(aot.DEFAULT_ARCHS) and aot.parse_archs("8.0, 9.0") == [80, 90]
+    with pytest.raises(kbuild.BuildError, match="expected capabilities such as 9.0"):
+        aot.parse_archs("sm_90")
 
 
 def test_metadata_archs_full_list():

@@ -20,6 +20,9 @@ setting            environment variable        meaning
                                                ``"<threads>,<unroll>"`` one tile per block (threads 32..256, a
                                                multiple of 32; unroll 1, 2 or 4) or ``"<threads>,p<stages>"``
                                                the cp.async pipeline (stages 2 or 4); the same bits either way
+``prebuilt``       ``GEGLU_PREBUILT``          launch the Triton kernels this variant ships compiled for the
+                                               GPU's architecture (``_aot``: no JIT compilation), where it has
+                                               them (default on; ``0``: Triton's JIT for every Triton kernel)
 =================  ==========================  ============================================================
 
 Change them for a process with :func:`configure` (also a context manager)::
@@ -92,6 +95,7 @@ class Config:
     fused_mlp: bool = True
     fused_training: bool = False
     cuda_plan: str = ""
+    prebuilt: bool = True
 
     @classmethod
     def from_env(cls, env=os.environ) -> "Config":
@@ -102,7 +106,9 @@ class Config:
             fused_training=_switch("GEGLU_FUSED_TRAINING", env.get("GEGLU_FUSED_TRAINING"), False,
                                    "GeGLUMLP's training step with the fused kernels where the Gluon backward runs",
                                    "eager's bits"),
-            cuda_plan=parse_cuda_plan(env.get("GEGLU_CUDA_PLAN") or "", "GEGLU_CUDA_PLAN"))
+            cuda_plan=parse_cuda_plan(env.get("GEGLU_CUDA_PLAN") or "", "GEGLU_CUDA_PLAN"),
+            prebuilt=_switch("GEGLU_PREBUILT", env.get("GEGLU_PREBUILT"), True,
+                             "launch the kernels this variant ships prebuilt", "Triton's JIT for every Triton kernel"))
 
 
 current = Config.from_env()
@@ -143,13 +149,13 @@ def _apply_plan(plan: str) -> None:
 
 
 def configure(**changes) -> _Restore:
-    """Change settings (``backend``, ``fused_mlp``, ``fused_training``, ``cuda_plan``); returns a context manager
-    that restores the previous ones."""
+    """Change settings (``backend``, ``fused_mlp``, ``fused_training``, ``cuda_plan``, ``prebuilt``); returns a
+    context manager that restores the previous ones."""
     global current
     unknown = set(changes) - {f.name for f in dataclasses.fields(Config)}
     if unknown:
         raise TypeError(f"geglu.configure: unknown setting(s) {', '.join(sorted(unknown))}; expected backend, "
-                        "fused_mlp, fused_training or cuda_plan.")
+                        "fused_mlp, fused_training, cuda_plan or prebuilt.")
     if "backend" in changes:
         changes["backend"] = parse_backend(changes["backend"], "geglu.configure(backend)")
         if changes["backend"] == "cuda":
@@ -159,7 +165,7 @@ def configure(**changes) -> _Restore:
                 raise RuntimeError(
                     "geglu.configure(backend='cuda'): this build variant has no compiled CUDA library (it is a "
                     "Triton/CPU variant). Load the torch-stable-abi* variant, or use 'triton' / 'auto'.")
-    for name in ("fused_mlp", "fused_training"):
+    for name in ("fused_mlp", "fused_training", "prebuilt"):
         if name in changes and not isinstance(changes[name], bool):
             raise TypeError(f"geglu.configure({name}={changes[name]!r}): expected True or False.")
     if "cuda_plan" in changes:

@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._fused_mlp_triton import (INTERPRETER, Config, TensorDescriptor, _aligned, _geglu_epilogue, _halves,
-                                _nullcontext, _sm_count, tma_supported)
+from . import _aot
+from ._fused_mlp_triton import INTERPRETER, Config, _aligned, _geglu_epilogue, _halves, _run, _sm_count, tma_supported
 from ._triton import INTERPRET, K_ALPHA, K_BETA_TANH, K_KAPPA
 
 
@@ -74,6 +74,12 @@ def _grouped_geglu_kernel(x_desc, w_desc, out_ptr, tile_expert_ptr, tiles_end_pt
 LARGE = Config(128, 128, 64, 1, 8, 3, persistent=True, flatten=True, fast_epi=True, pair=True)
 SMALL_M = LARGE._replace(block_m=64, num_warps=4, num_stages=4)
 INTERPRETER_CFG = INTERPRETER._replace(fast_epi=True, pair=True)
+
+
+def grouped_consts(tanh: bool, cfg: Config) -> tuple:
+    """The grouped kernel's constexprs, in order."""
+    return (tanh, INTERPRET, cfg.block_m, cfg.block_n, cfg.block_k, cfg.flatten, cfg.fast_epi, K_BETA_TANH, K_KAPPA,
+            K_ALPHA)
 
 
 def default_config(S: int, E: int) -> Config:
@@ -134,14 +140,10 @@ def grouped_gate_up_geglu(x: torch.Tensor, gate_up_proj: torch.Tensor, offsets: 
     cfg = config or default_config(S, E)
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     tile_expert, tiles_end, m_tiles, offs, bound = schedule(offsets, S, I, bm, bn)
-    x_desc = TensorDescriptor(x, [S, D], [D, 1], [bm, bk])
-    w_desc = TensorDescriptor(gate_up_proj, [E, 2, I, D], [I2 * D, I * D, D, 1], [1, 2, bn, bk])
+    x_desc = _aot.Desc(x, [S, D], [D, 1], [bm, bk])
+    w_desc = _aot.Desc(gate_up_proj, [E, 2, I, D], [I2 * D, I * D, D, 1], [1, 2, bn, bk])
     grid = (min(bound, _sm_count(x.device)),)
-    with torch.cuda.device(x.device) if x.device.type == "cuda" else _nullcontext():
-        _grouped_geglu_kernel[grid](
-            x_desc, w_desc, out, tile_expert, tiles_end, m_tiles, offs, S, E, I, out.stride(0), D, bound,
-            TANH=tanh, DOT_F32=INTERPRET, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, FLATTEN=cfg.flatten,
-            FAST_EPI=cfg.fast_epi, K_BETA_TANH=K_BETA_TANH, K_KAPPA=K_KAPPA, K_ALPHA=K_ALPHA,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
-        )
+    _run(_grouped_geglu_kernel, grid,
+         [x_desc, w_desc, out, tile_expert, tiles_end, m_tiles, offs, S, E, I, out.stride(0), D, bound],
+         grouped_consts(tanh, cfg), cfg, x.device)
     return out

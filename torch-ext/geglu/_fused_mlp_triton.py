@@ -33,7 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton import INTERPRET, K_3KAPPA, K_ALPHA, K_BETA_ERF, K_BETA_TANH, K_KAPPA, _gelu, _gelu_grad, _round
+from . import _aot
+from ._triton import (INTERPRET, K_3KAPPA, K_ALPHA, K_BETA_ERF, K_BETA_TANH, K_KAPPA, _gelu, _gelu_grad, _round,
+                      prebuilt)
 
 try:  # host-side TMA descriptors (triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -130,8 +132,7 @@ def _geglu_epilogue(acc_g, acc_u, T: tl.constexpr, TANH: tl.constexpr, SAVE: tl.
 def _gate_up_tile(x_ptr, wg_ptr, wu_ptr, out_ptr, g_ptr, u_ptr, M, N, K,
                   stride_x, stride_wg, stride_wu, stride_o, stride_g, stride_u, pid_m, pid_n,
                   TANH: tl.constexpr, SAVE: tl.constexpr, TMA: tl.constexpr, DOT_F32: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WS_K: tl.constexpr,
-                  FAST_EPI: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FAST_EPI: tl.constexpr,
                   K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr):
     off_m = pid_m * BLOCK_M
     off_n = pid_n * BLOCK_N
@@ -147,7 +148,7 @@ def _gate_up_tile(x_ptr, wg_ptr, wu_ptr, out_ptr, g_ptr, u_ptr, M, N, K,
         x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_x + ks[None, :]
         wg_ptrs = wg_ptr + cols.to(tl.int64)[:, None] * stride_wg + ks[None, :]
         wu_ptrs = wu_ptr + cols.to(tl.int64)[:, None] * stride_wu + ks[None, :]
-    for k in tl.range(0, tl.cdiv(K, BLOCK_K), warp_specialize=WS_K):
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
         if TMA:
             a = x_ptr.load([off_m, k * BLOCK_K])
             bg = wg_ptr.load([off_n, k * BLOCK_K])
@@ -190,24 +191,23 @@ def _gate_up_geglu_kernel(x_ptr, wg_ptr, wu_ptr, out_ptr, g_ptr, u_ptr, M, N, K,
                           TANH: tl.constexpr, SAVE: tl.constexpr, TMA: tl.constexpr, DOT_F32: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
-                          WARP_SPECIALIZE: tl.constexpr, FAST_EPI: tl.constexpr,
+                          FAST_EPI: tl.constexpr,
                           K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     if PERSISTENT:
         num_tiles = num_pid_m * num_pid_n
-        for tile_id in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=FLATTEN,
-                                warp_specialize=WARP_SPECIALIZE):
+        for tile_id in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=FLATTEN):
             pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
             _gate_up_tile(x_ptr, wg_ptr, wu_ptr, out_ptr, g_ptr, u_ptr, M, N, K,
                           stride_x, stride_wg, stride_wu, stride_o, stride_g, stride_u, pid_m, pid_n,
-                          TANH, SAVE, TMA, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_K, False, FAST_EPI,
+                          TANH, SAVE, TMA, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_K, FAST_EPI,
                           K_BETA_TANH, K_KAPPA, K_ALPHA)
     else:
         pid_m, pid_n = _tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
         _gate_up_tile(x_ptr, wg_ptr, wu_ptr, out_ptr, g_ptr, u_ptr, M, N, K,
                       stride_x, stride_wg, stride_wu, stride_o, stride_g, stride_u, pid_m, pid_n,
-                      TANH, SAVE, TMA, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_K, WARP_SPECIALIZE, FAST_EPI,
+                      TANH, SAVE, TMA, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_K, FAST_EPI,
                       K_BETA_TANH, K_KAPPA, K_ALPHA)
 
 
@@ -257,13 +257,12 @@ def _paired_gate_up_geglu_kernel(x_ptr, w_ptr, out_ptr, g_ptr, u_ptr, M, N, K,
                                  TANH: tl.constexpr, SAVE: tl.constexpr, DOT_F32: tl.constexpr,
                                  GATE_FIRST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr,
-                                 FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FAST_EPI: tl.constexpr,
+                                 FLATTEN: tl.constexpr, FAST_EPI: tl.constexpr,
                                  K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     if PERSISTENT:
-        for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=FLATTEN,
-                                warp_specialize=WARP_SPECIALIZE):
+        for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=FLATTEN):
             pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
             _paired_tile(x_ptr, w_ptr, out_ptr, g_ptr, u_ptr, M, N, K, pid_m, pid_n, TANH, SAVE, DOT_F32, GATE_FIRST,
                          BLOCK_M, BLOCK_N, BLOCK_K, FAST_EPI, K_BETA_TANH, K_KAPPA, K_ALPHA)
@@ -286,8 +285,6 @@ class Config(NamedTuple):
     persistent: bool = False  # one program per SM looping over the tiles
     flatten: bool = False  # persistent: Triton's loop flattening of the tile and K loops into one pipelined loop,
     #                        so that the next tile's first loads are in flight during this tile's epilogue
-    warp_specialize: bool = False  # Triton's automatic warp specialisation: on the tile loop when persistent, else
-    #                                on the K loop (a TMA producer warp and wgmma consumer warpgroups)
     tma: bool = True  # use TMA descriptors where the hardware and the strides allow it
     fast_epi: bool = False  # GeGLU of the fp32 accumulators with hardware approximations, rounded once
     pair: bool = False  # forward: one [2 * BLOCK_N, BLOCK_K] weight operand holding both weights' tiles, one dot
@@ -297,8 +294,6 @@ class Config(NamedTuple):
         s = f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages} g{self.group_m}"
         if self.persistent:
             s += " persistent" + (" flat" if self.flatten else "")
-        if self.warp_specialize:
-            s += " ws"
         if not self.tma:
             s += " ptr"
         if self.fast_epi:
@@ -400,7 +395,7 @@ def gate_up_geglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, tan
         return out, gu
     if use_tma:
         bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-        args = [TensorDescriptor(t, list(t.shape), list(t.stride()), blk) for t, blk in
+        args = [_aot.Desc(t, t.shape, t.stride(), blk) for t, blk in
                 ((x, [bm, bk]), (w_gate, [bn, bk]), (w_up, [bn, bk]), (out, [bm, bn]), (g_view, [bm, bn]),
                  (u_view, [bm, bn]))]
     else:
@@ -417,20 +412,39 @@ def gate_up_geglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, tan
     return out, gu
 
 
+def _run(kernel, grid, args, consts, cfg, device) -> None:
+    """The kernel's prebuilt binary for this launch where the variant ships one, else Triton's JIT (``args``: the
+    runtime arguments, host-side TMA descriptors as `_aot.Desc`; ``consts``: the constexprs in order)."""
+    with torch.cuda.device(device) if device.type == "cuda" else _nullcontext():
+        if device.type == "cuda" and prebuilt(kernel, grid, args, consts, cfg.num_warps, cfg.num_stages,
+                                              device.index):
+            return
+        jit_args = [TensorDescriptor(a.base, a.shape, a.strides, a.block) if isinstance(a, _aot.Desc) else a
+                    for a in args]
+        kernel[grid](*jit_args, *consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
+
+
+def gate_up_consts(tanh, save, use_tma, cfg) -> tuple:
+    """The two-dot kernel's constexprs, in order."""
+    return (tanh, save, use_tma, INTERPRET, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.persistent,
+            cfg.flatten, cfg.fast_epi, K_BETA_TANH, K_KAPPA, K_ALPHA)
+
+
+def paired_consts(tanh, save, gate_first, cfg) -> tuple:
+    """The paired kernel's constexprs, in order."""
+    return (tanh, save, INTERPRET, gate_first, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.persistent,
+            cfg.flatten, cfg.fast_epi, K_BETA_TANH, K_KAPPA, K_ALPHA)
+
+
+def _grid(num_tiles: int, cfg: Config, device) -> tuple:
+    return (min(num_tiles, _sm_count(device)) if cfg.persistent else num_tiles,)
+
+
 def _launch(args, M, N, K, x, w_gate, w_up, out, g_view, u_view, tanh, save, use_tma, cfg):
-    num_tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
-    grid = (min(num_tiles, _sm_count(x.device)) if cfg.persistent else num_tiles,)
-    with torch.cuda.device(x.device) if x.device.type == "cuda" else _nullcontext():
-        _gate_up_geglu_kernel[grid](
-            *args, M, N, K,
-            x.stride(0), w_gate.stride(0), w_up.stride(0), out.stride(0), g_view.stride(0), u_view.stride(0),
-            TANH=tanh, SAVE=save, TMA=use_tma, DOT_F32=INTERPRET,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            PERSISTENT=cfg.persistent, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
-            FAST_EPI=cfg.fast_epi,
-            K_BETA_TANH=K_BETA_TANH, K_KAPPA=K_KAPPA, K_ALPHA=K_ALPHA,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
-        )
+    grid = _grid(triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), cfg, x.device)
+    strides = [x.stride(0), w_gate.stride(0), w_up.stride(0), out.stride(0), g_view.stride(0), u_view.stride(0)]
+    _run(_gate_up_geglu_kernel, grid, [*args, M, N, K, *strides], gate_up_consts(tanh, save, use_tma, cfg), cfg,
+         x.device)
 
 
 _TMA_MAX_STRIDE = 1 << 40  # bytes: cuTensorMapEncodeTiled's limit on a global stride
@@ -494,20 +508,13 @@ def _launch_paired(x, layout: PairLayout, w_gate, out, g_view, u_view, tanh, sav
     M, K = x.shape
     N = w_gate.shape[0]
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-    w_desc = TensorDescriptor(layout.base, [2, N, K], [layout.outer_stride, w_gate.stride(0), 1], [2, bn, bk])
-    args = [TensorDescriptor(t, list(t.shape), list(t.stride()), blk) for t, blk in
+    w_desc = _aot.Desc(layout.base, [2, N, K], [layout.outer_stride, w_gate.stride(0), 1], [2, bn, bk])
+    args = [_aot.Desc(t, t.shape, t.stride(), blk) for t, blk in
             ((x, [bm, bk]), (out, [bm, bn]), (g_view, [bm, bn]), (u_view, [bm, bn]))]
     args.insert(1, w_desc)
-    num_tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-    grid = (min(num_tiles, _sm_count(x.device)) if cfg.persistent else num_tiles,)
-    with torch.cuda.device(x.device) if x.device.type == "cuda" else _nullcontext():
-        _paired_gate_up_geglu_kernel[grid](
-            *args, M, N, K, TANH=tanh, SAVE=save, DOT_F32=INTERPRET, GATE_FIRST=layout.gate_first,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
-            PERSISTENT=cfg.persistent, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
-            FAST_EPI=cfg.fast_epi, K_BETA_TANH=K_BETA_TANH, K_KAPPA=K_KAPPA, K_ALPHA=K_ALPHA,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
-        )
+    grid = _grid(triton.cdiv(M, bm) * triton.cdiv(N, bn), cfg, x.device)
+    _run(_paired_gate_up_geglu_kernel, grid, [*args, M, N, K], paired_consts(tanh, save, layout.gate_first, cfg), cfg,
+         x.device)
 
 
 class _nullcontext:

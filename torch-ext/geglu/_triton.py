@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _aot, _config
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # Eager's constants, as C++ computes them: the product in double, then rounded to float.
@@ -366,12 +368,14 @@ def _flat(M: int, N: int, *tensors: torch.Tensor) -> bool:
 
 
 # --- launching -----------------------------------------------------------------------------------------------------
-# JITFunction's launch path binds and specialises every argument in Python on every call (tens of µs of host time,
-# more than the kernel at small sizes). The first launch for a specialisation goes through Triton (which
-# compiles and caches the kernel); later ones call that compiled kernel's launcher directly. The key is at least as
-# fine as Triton's specialisation (pointer dtype and 16-byte alignment; integer divisibility by 16, == 1 and width),
-# plus the constexprs, warps and device. Any surprise from a Triton version (a missing attribute, another launcher
-# signature) turns the direct path off for the process and leaves Triton's own launch.
+# A launch runs the kernel this variant ships prebuilt for the device's architecture where there is one (`_aot`: no
+# compilation on the user's machine), else Triton's JIT. JITFunction's launch path binds and specialises every
+# argument in Python on every call (tens of µs of host time, more than the kernel at small sizes): the first JIT
+# launch for a specialisation goes through Triton (which compiles and caches the kernel), later ones call that
+# compiled kernel's launcher directly. The key is at least as fine as Triton's specialisation (pointer dtype and
+# 16-byte alignment; integer divisibility by 16, == 1 and width), plus the constexprs, warps and device. Any
+# surprise from a Triton version (a missing attribute, another launcher signature) turns the direct JIT path off
+# for the process and leaves Triton's own launch.
 
 _DIRECT_LAUNCH = {}
 _direct_ok = not INTERPRET
@@ -381,6 +385,8 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 def _spec(a):
     if isinstance(a, int):
         return a % 16 == 0, a == 1, -(2**31) <= a < 2**31, 0 <= a < 2**63
+    if isinstance(a, float):
+        return float
     return a.dtype, a.data_ptr() % 16 == 0
 
 
@@ -397,22 +403,44 @@ def _hooks_set() -> bool:
     return runtime is None or _hook_active(runtime.launch_enter_hook) or _hook_active(runtime.launch_exit_hook)
 
 
+def prebuilt(fn, grid, args, consts, num_warps: int, num_stages: int, device_index: int) -> bool:
+    """Launch ``fn``'s prebuilt kernel for these arguments on the current stream; False when this variant has none
+    for the device (the caller then uses Triton's JIT)."""
+    if INTERPRET:
+        return False
+    run = _aot.find(fn.__name__, args, consts, num_warps, num_stages, device_index)
+    if run is None:
+        return False
+    run(grid, args, _raw_stream(device_index))
+    return True
+
+
 def _launch(fn, grid, args, consts, num_warps: int, device: torch.device) -> None:
     """fn[grid](*args, *consts, num_warps=num_warps, enable_fp_fusion=False), the launch path described above.
     ``args``: the kernel's runtime arguments in order; ``consts``: its constexprs in order, after them."""
     global _direct_ok
     key = None
-    if _direct_ok:
+    if not INTERPRET:
         idx = device.index if device.index is not None else torch.cuda.current_device()
-        key = (fn, num_warps, idx, consts) + tuple(_spec(a) for a in args)
+        key = (fn, num_warps, idx, consts, _config.current.prebuilt) + tuple(_spec(a) for a in args)
         hit = _DIRECT_LAUNCH.get(key)
-        if hit is not None and not _hooks_set():
+        if hit is not None:
             run, function, meta = hit
-            run(grid[0], grid[1] if len(grid) > 1 else 1, 1, _raw_stream(idx), function, meta, None, None, None,
-                *args, *consts)
-            return
+            if function is None:  # prebuilt
+                run(grid, args, _raw_stream(idx))
+                return
+            if not _hooks_set():
+                run(grid[0], grid[1] if len(grid) > 1 else 1, 1, _raw_stream(idx), function, meta, None, None, None,
+                    *args, *consts)
+                return
+        else:
+            aot = _aot.find(fn.__name__, args, consts, num_warps, 3, idx)
+            if aot is not None:
+                _DIRECT_LAUNCH[key] = (aot, None, None)
+                aot(grid, args, _raw_stream(idx))
+                return
     compiled = fn[grid](*args, *consts, num_warps=num_warps, enable_fp_fusion=False)
-    if key is not None:
+    if key is not None and _direct_ok:
         try:
             _DIRECT_LAUNCH[key] = (compiled.run, compiled.function, compiled.packed_metadata)
         except Exception:  # another Triton's CompiledKernel: keep its own launch path

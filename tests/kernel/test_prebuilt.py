@@ -1,0 +1,378 @@
+"""Prebuilt Triton kernels (``_aot``, ``kerneltools.build.aot``): what the build compiles covers every plan the
+launchers choose, the run-time lookup takes the most specialised binary the launch allows and otherwise says no
+(then Triton's JIT runs), and on a GPU the prebuilt kernels compute the JIT's bits and a fresh process runs a
+kernelized model without compiling anything.
+
+The build's own output (the files in the variant, their index, the metadata's file list) is checked in
+tests/tools/test_cuda_build.py, where the compiled variant is built.
+"""
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "torch-ext" / "geglu"
+HAS_CUDA = torch.cuda.is_available()
+H200_SMS = 132
+
+
+def _source_modules():
+    """The package's modules from the source tree (a stand-in package: its __init__ needs a build's _ops)."""
+    from kerneltools.build import aot
+
+    aot._pkg(PACKAGE)
+    name = "_kerneltools_aot_pkg"
+    return types.SimpleNamespace(**{m: importlib.import_module(f"{name}.{m}")
+                                    for m in ("_aot", "_config", "_triton", "_rmsnorm_triton", "_fused_mlp_triton",
+                                              "_experts_triton")})
+
+
+@pytest.fixture(scope="module")
+def src():
+    return _source_modules()
+
+
+def _prebuilt(built_launches):
+    """(kernel name, constexprs, warps, stages) of every prebuilt launch (booleans as 0 / 1, as the index keys)."""
+    return {(l["fn"], tuple(int(c) if isinstance(c, bool) else c for c in l["consts"]), l["num_warps"],
+             l["num_stages"]) for l in built_launches}
+
+
+def _k(fn, consts, warps, stages=3):
+    return fn.__name__, tuple(int(c) if isinstance(c, bool) else c for c in consts), warps, stages
+
+
+def test_every_plan_the_launchers_choose_is_prebuilt():
+    """With an H200's 132 SMs, every tile the pointwise, RMSNorm, fused-GEMM and MoE plans choose over a sweep of
+    the supported models' shapes (decode to prefill sizes) is among the prebuilt launches, for every dtype (in a
+    process without TRITON_INTERPRET, as the build lists them)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", "import json, tests.kernel.test_prebuilt as t; "
+                           "print(json.dumps(t.plans_not_prebuilt()))"], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    missing = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not missing, missing[:10]
+
+
+def plans_not_prebuilt() -> list:
+    """The plans of the sweep (see the test above) that no prebuilt launch covers."""
+    from kerneltools.build import aot
+
+    have = _prebuilt(aot.launches(PACKAGE))
+    m = _source_modules()
+    tri, nrm, fmt, ext = m._triton, m._rmsnorm_triton, m._fused_mlp_triton, m._experts_triton
+    tri._sm_count = nrm._sm_count = lambda device: H200_SMS
+    kf = (tri.K_BETA_TANH, tri.K_KAPPA, tri.K_ALPHA)
+    kb = kf + (tri.K_BETA_ERF, tri.K_3KAPPA)
+    missing = []
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        t = torch.empty(1, dtype=dtype)
+        for M in (1, 2, 3, 7, 64, 300, 2048, 16384, 131072):
+            for N in (128, 256, 704, 768, 1152, 2048, 2304, 2816, 9216, 10240, 14336, 21504):
+                for tanh in (False, True):
+                    if M * N < 2 ** 31 - 4096:
+                        grid, block, warps, even, wide = tri._flat_plan(M * N, t)
+                        for fn, k in ((tri._geglu_fwd_flat_kernel, kf), (tri._geglu_bwd_flat_kernel, kb)):
+                            key = _k(fn, (tanh, block, even, wide) + k, warps)
+                            if key not in have:
+                                missing.append(("flat", M, N, dtype, key[:2]))
+                    grid, bm, bn, warps = tri._plan(M, N, t, 3)
+                    for fn, k in ((tri._geglu_fwd_kernel, kf), (tri._geglu_bwd_kernel, kb)):
+                        if _k(fn, (tanh, bm, bn) + k, warps) not in have:
+                            missing.append(("rows", M, N, dtype, bm, bn))
+        for M in (1, 8, 64, 300, 2048, 16384, 131072):
+            for D in (128, 256, 640, 1152, 2048, 2304, 2560, 3840, 5376, 16384, 20000):
+                grid, bm, bd, warps, looped = nrm.fwd_plan(M, D, torch.device("cuda", 0))
+                for save in (True, False):
+                    key = (_k(nrm._fwd_looped_kernel, (bd, save), warps) if looped
+                           else _k(nrm._fwd_kernel, (bm, bd, save), warps))
+                    if key not in have:
+                        missing.append(("norm fwd", M, D, key[:2]))
+                grid, bm, bd, warps, looped = nrm.bwd_plan(M, D, torch.device("cuda", 0))
+                for r in (True, False):
+                    for w in (True, False):
+                        key = (_k(nrm._bwd_looped_kernel, (bd, r, w), warps) if looped
+                               else _k(nrm._bwd_kernel, (bm, bd, r, w), warps))
+                        if key not in have:
+                            missing.append(("norm bwd", M, D, key[:2]))
+    for M in (65, 200, 256, 257, 300, 2048, 16384):
+        for tanh in (False, True):
+            for save, deriv in ((False, False), (True, False), (True, True)):
+                cfg = fmt.inference_config(M) if not save else fmt.choose_config(M, 2560, 10240, torch.bfloat16, True)
+                mode = fmt._save_mode(save, deriv)
+                keys = [_k(fmt._gate_up_geglu_kernel, fmt.gate_up_consts(tanh, mode, True, cfg), cfg.num_warps,
+                           cfg.num_stages)]
+                if cfg.pair:
+                    keys += [_k(fmt._paired_gate_up_geglu_kernel, fmt.paired_consts(tanh, mode, g, cfg),
+                                cfg.num_warps, cfg.num_stages) for g in (True, False)]
+                missing += [("gemm", M, save, deriv, k[:2]) for k in keys if k not in have]
+    for S, E in ((4096, 128), (131072, 128), (512, 128)):
+        cfg = ext.default_config(S, E)
+        for tanh in (False, True):
+            key = _k(ext._grouped_geglu_kernel, ext.grouped_consts(tanh, cfg), cfg.num_warps, cfg.num_stages)
+            if key not in have:
+                missing.append(("moe", S, key[:2]))
+    return [[str(v) for v in row] for row in missing]
+
+
+def _fake_index(src, monkeypatch, entries):
+    """The lookup over a made-up index for arch 90 (no GPU: the driver calls are stubbed)."""
+    aot = src._aot
+    by_key = {}
+    for e in entries:
+        e["hint_mask"] = sum(1 << i for i, h in enumerate(e["hints"]) if h)
+        by_key.setdefault(aot.key(e["fn"], e["consts"], e["num_warps"], e["num_stages"], e["types"]), []).append(e)
+    for group in by_key.values():
+        group.sort(key=lambda e: -sum(e["hints"]))
+    monkeypatch.setitem(aot._indexes, 90, (by_key, b""))
+    monkeypatch.setattr(aot, "_arch", lambda device_index: 90)
+    monkeypatch.setattr(aot, "_function", lambda entry, device_index, blob: entry["name"])
+    chosen = []
+    monkeypatch.setattr(aot, "_launcher", lambda entry, function: chosen.append(function) or (lambda *a: None))
+    return chosen
+
+
+def test_lookup_takes_the_most_specialised_binary_the_launch_allows(src, monkeypatch):
+    """Of two binaries of one launch, the one assuming every argument aligned runs where they are, the one assuming
+    less where the length is not divisible by 16; a misaligned pointer, another dtype, another tile or the
+    ``prebuilt`` setting off find nothing (the caller's JIT runs)."""
+    aot = src._aot
+    base = dict(fn="k", consts=[True, 1024], num_warps=4, num_stages=3, types=["*bf16", "*bf16", "i32"])
+    chosen = _fake_index(src, monkeypatch, [dict(base, hints=[True, True, False], name="some"),
+                                            dict(base, hints=[True, True, True], name="all")])
+    buf = torch.empty(4096, dtype=torch.bfloat16)
+    a, b = buf[:1024], buf[1024:2048]
+    assert aot.find("k", [a, b, 4096], (1, 1024), 4, 3, 0) is not None and chosen[-1] == "all"
+    assert aot.find("k", [a, b, 4095], (True, 1024), 4, 3, 0) is not None and chosen[-1] == "some"
+    assert aot.find("k", [buf[1:1025], b, 4096], (True, 1024), 4, 3, 0) is None  # misaligned: no binary assumes less
+    assert aot.find("k", [a.half(), b.half(), 4096], (True, 1024), 4, 3, 0) is None
+    assert aot.find("k", [a, b, 4096], (True, 512), 4, 3, 0) is None
+    assert aot.find("k", [a, b, 2 ** 31], (True, 1024), 4, 3, 0) is None  # an i64 length: another signature
+    with src._config.configure(prebuilt=False):
+        assert aot.find("k", [a, b, 4096], (True, 1024), 4, 3, 0) is None
+    assert len(chosen) == 2
+
+
+def test_launcher_packs_parameters_as_triton_passes_them(src, monkeypatch):
+    """A launch's parameters: pointers, integers and fp32 bits in order, each TMA descriptor as its 128 bytes
+    followed by its shape (i32) and strides (i64), then the global and profile scratch pointers (null); the grid,
+    the block of 32 x warps threads and the compiled shared memory go to cuLaunchKernel."""
+    import ctypes
+
+    aot = src._aot
+    seen = {}
+
+    class Lib:
+        def cuLaunchKernel(self, fn, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+            p = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
+            n = 3 + 1 + 2 + 2 + 2  # x, -3, 0.5; the descriptor; its shape, its strides; two scratch pointers
+            seen.update(fn=fn, grid=(gx, gy, gz), block=(bx, by, bz), shared=shared, stream=stream,
+                        words=[ctypes.cast(p[i], ctypes.POINTER(ctypes.c_uint64))[0] for i in range(n)],
+                        desc=bytes(ctypes.cast(p[3], ctypes.POINTER(ctypes.c_uint8 * 128))[0]))
+            return 0
+
+        def cuTensorMapEncodeTiled(self, out, dtype, rank, base, dims, strides, box, ones, interleave, swizzle, l2,
+                                   fill):
+            ctypes.memset(out, 7, 128)
+            seen.update(tma=(dtype, rank, base, swizzle))
+            return 0
+
+    monkeypatch.setattr(aot, "_cuda", Lib())
+    monkeypatch.setattr(aot, "_driver", lambda: aot._cuda)
+    x = torch.empty(64, 32, dtype=torch.bfloat16)
+    meta = dict(swizzle=3, elem_size=2, elem_type=10, block_size=[16, 32])
+    entry = dict(types=["*bf16", "i32", "fp32", "tensordesc<bf16[16, 32]>"], tensordesc_meta=[meta], num_warps=8,
+                 shared=1024)
+    run = aot._launcher(entry, 1234)
+    run((5, 2), [x, -3, 0.5, aot.Desc(x, [64, 32], [32, 1], [16, 32])], 99)
+    assert seen["fn"] == 1234 and seen["grid"] == (5, 2, 1) and seen["block"] == (256, 1, 1)
+    assert seen["shared"] == 1024 and seen["stream"] == 99
+    words = seen["words"]
+    assert words[0] == x.data_ptr() and words[1] & 0xFFFFFFFF == (-3) & 0xFFFFFFFF
+    assert words[2] == 0x3F000000 and seen["desc"] == bytes([7]) * 128
+    assert words[4:6] == [64, 32] and words[6:8] == [32, 1] and words[8:] == [0, 0]
+    assert seen["tma"] == (9, 2, x.data_ptr(), 3)  # bf16 is the host's type 9 (the compiler's 10)
+
+
+def test_a_variant_without_prebuilt_kernels_finds_none(src, monkeypatch, tmp_path):
+    """No index files beside the package (the noarch variants, the source tree): no architectures, no lookups."""
+    aot = src._aot
+    monkeypatch.setattr(aot, "HERE", str(tmp_path))
+    monkeypatch.setattr(aot, "_indexes", {})
+    assert aot.architectures() == [] and aot.info()["architectures"] == []
+    assert aot._index(90) is None
+
+
+# --- on the GPU ----------------------------------------------------------------------------------------------------
+
+needs_prebuilt = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+
+def _aot_of(geglu):
+    return importlib.import_module(geglu.__name__ + "._aot")
+
+
+@pytest.mark.gpu
+@needs_prebuilt
+def test_gpu_prebuilt_kernels_compute_the_jit_kernels_bits(geglu, monkeypatch):
+    """Every family of kernels, prebuilt against Triton's JIT of the same source, on fresh random data: the
+    pointwise forward and backward (flat and row-strided, with and without a tail, three dtypes), the RMSNorm
+    forward and backward (rows in registers and looped), the fused gate/up GEMM (inference and training tiles) and
+    the MoE grouped GEMM: bit for bit, and each launch really prebuilt."""
+    aot = _aot_of(geglu)
+    if not aot.architectures() or torch.cuda.get_device_capability()[0] * 10 + torch.cuda.get_device_capability()[1] \
+            not in aot.architectures():
+        pytest.skip("this build has no prebuilt kernels for this GPU")
+    hits = []
+    real_find = aot.find
+    monkeypatch.setattr(aot, "find", lambda *a, **k: hits.append(a[0]) or real_find(*a, **k))
+    mlp = importlib.import_module(geglu.__name__ + "._mlp")
+    kt = importlib.import_module(geglu.__name__ + "._fused_mlp_triton")
+    et = importlib.import_module(geglu.__name__ + "._experts_triton")
+    tri = importlib.import_module(geglu.__name__ + "._triton")
+
+    def both(fn):
+        tri._DIRECT_LAUNCH.clear()
+        with geglu.configure(prebuilt=False):
+            jit = fn()
+        tri._DIRECT_LAUNCH.clear()
+        n = len(hits)
+        pre = fn()
+        torch.cuda.synchronize()
+        return jit, pre, len(hits) > n
+
+    cases = []
+    with geglu.configure(backend="triton"):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            for shape in ((4096, 2 * 14336), (300, 2 * 2304 + 32)):
+                x = torch.randn(*shape, device="cuda").to(dtype)
+                g, u = x.chunk(2, -1)
+                dy = torch.randn_like(g)
+                for approx in ("none", "tanh"):
+                    cases.append((f"fwd rows {dtype} {shape} {approx}", lambda: geglu.geglu(g, u, approx)))
+                    cases.append((f"fwd flat {dtype} {shape} {approx}",
+                                  lambda: geglu.geglu(g.contiguous(), u.contiguous(), approx)))
+                    cases.append((f"bwd {dtype} {shape} {approx}",
+                                  lambda: torch.cat(geglu.geglu_backward(dy, g.contiguous(), u.contiguous(), approx))))
+        for M, D in ((1, 2560), (300, 2560), (4096, 256), (8, 20000)):
+            x = torch.randn(M, D, device="cuda", dtype=torch.bfloat16)
+            w = torch.randn(D, device="cuda", dtype=torch.bfloat16) * 0.1
+
+            def norm(x=x, w=w):
+                xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+                y = geglu.rms_norm(xl, wl)
+                y.backward(torch.ones_like(y))
+                return torch.cat([y.flatten(), xl.grad.flatten(), wl.grad.flatten()])
+
+            cases.append((f"norm {M}x{D}", norm))
+    x = torch.randn(1024, 2560, device="cuda", dtype=torch.bfloat16)
+    wg, wu = (torch.randn(10240, 2560, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(2))
+    for approx in (False, True):
+        for M in (200, 1024):
+            cases.append((f"gemm inference {M} {approx}", lambda: kt.gate_up_geglu(
+                x[:M], wg, wu, approx, False, kt.inference_config(M))[0]))
+            cases.append((f"gemm training {M} {approx}", lambda: kt.gate_up_geglu(x[:M], wg, wu, approx, True)[1]))
+    xe = torch.randn(4096, 2816, device="cuda", dtype=torch.bfloat16)
+    we = torch.randn(128, 2 * 704, 2816, device="cuda", dtype=torch.bfloat16) * 0.02
+    counts = torch.multinomial(torch.ones(128), 4096, replacement=True).bincount(minlength=128)
+    offsets = torch.cumsum(counts, 0).to(torch.int32).cuda()
+    cases.append(("moe", lambda: et.grouped_gate_up_geglu(xe, we, offsets, True)))
+    bad = []
+    for name, fn in cases:
+        jit, pre, was_prebuilt = both(fn)
+        if not was_prebuilt or not torch.equal(jit, pre):
+            bad.append((name, was_prebuilt, (jit != pre).sum().item()))
+    assert not bad, bad
+    assert mlp is not None
+
+
+_FRESH = r"""
+import json, os, sys, time
+from pathlib import Path
+import torch, triton
+import triton.compiler.compiler as tc
+
+compiled = []
+real = tc.compile
+def counting(*a, **k):
+    compiled.append(str(getattr(a[0], "name", a[0]))[:80])
+    return real(*a, **k)
+tc.compile = counting
+triton.compile = counting
+events = []
+real_event = torch.cuda.Event
+class CountingEvent(real_event):
+    def __init__(self, *a, **k):
+        events.append(1)
+        super().__init__(*a, **k)
+
+import transformers
+from kernels import Mode, kernelize
+from kerneltools.transformers_kernels import DEFAULT_REPO_ID, register_geglu_kernels
+
+build = sys.argv[1]
+os.environ["LOCAL_KERNELS"] = f"{DEFAULT_REPO_ID}={build}"
+register_geglu_kernels(DEFAULT_REPO_ID, revision="local", devices=("cuda",))
+torch.manual_seed(0)
+out = {}
+torch.cuda.Event = CountingEvent
+for name, cfg in (
+        ("gemma3", transformers.Gemma3TextConfig(hidden_size=2560, intermediate_size=10240, num_hidden_layers=2,
+                                                 num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                                                 vocab_size=2048, sliding_window=1024)),
+        ("gemma4-moe", transformers.Gemma4TextConfig(hidden_size=2816, intermediate_size=2112, num_hidden_layers=2,
+                                                     num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                                                     vocab_size=2048, enable_moe_block=True, num_experts=128,
+                                                     top_k_experts=8, moe_intermediate_size=704,
+                                                     hidden_activation="gelu_pytorch_tanh",
+                                                     layer_types=["sliding_attention", "full_attention"]))):
+    with torch.device("cuda"):
+        m = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    kernelize(m.eval(), mode=Mode.INFERENCE, device="cuda")
+    with torch.no_grad():
+        for b, s in ((1, 300), (4, 1024), (1, 1)):
+            m(input_ids=torch.randint(0, 2048, (b, s), device="cuda"), use_cache=False)
+        m.generate(torch.randint(0, 2048, (1, 16), device="cuda"), max_new_tokens=4, do_sample=False)
+    if name == "gemma3":
+        kernelize(m, mode=Mode.TRAINING, device="cuda")
+        m.train()
+        ids = torch.randint(0, 2048, (2, 1024), device="cuda")
+        m(input_ids=ids, labels=ids).loss.backward()
+    torch.cuda.synchronize()
+    out[name] = dict(compiled=list(compiled), events=len(events))
+cache = Path(os.environ["TRITON_CACHE_DIR"])
+out["cache_files"] = [str(p.relative_to(cache)) for p in cache.rglob("*") if p.is_file()]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.gpu
+@needs_prebuilt
+def test_gpu_fresh_process_runs_a_kernelized_model_without_compiling(build_dir, tmp_path):
+    """A fresh process with an empty Triton cache runs kernelized Gemma 3 (prefill at 300 and 4 x 1024 tokens: the
+    fused MLP and the norms; decode sizes; a generate; a training step) and a Gemma 4 MoE model (the fused grouped
+    GEMM from 4096 routed rows, the gates) on the prebuilt kernels: Triton compiles nothing, the cache stays
+    empty, and no CUDA event is made (nothing is timed to choose a path)."""
+    if not (build_dir / "torch-stable-abi210-cu130-x86_64-linux").is_dir() and not any(
+            p.name.startswith("torch-stable-abi") for p in build_dir.iterdir()):
+        pytest.skip("needs a build with the compiled variant (GEGLU_BUILD_DIR)")
+    cache = tmp_path / "triton-cache"
+    cache.mkdir()
+    env = dict(os.environ, TRITON_CACHE_DIR=str(cache))
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-c", _FRESH, str(build_dir)], capture_output=True, text=True, env=env,
+                          timeout=540)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["gemma3"]["compiled"] == [] and res["gemma4-moe"]["compiled"] == [], res
+    assert res["cache_files"] == [], res["cache_files"][:10]
+    assert res["gemma4-moe"]["events"] == 0, res

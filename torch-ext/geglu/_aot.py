@@ -1,0 +1,295 @@
+"""Prebuilt kernels: the Triton kernels compiled at build time for the GPU architectures a variant declares, launched
+through the CUDA driver without Triton's JIT.
+
+The build (``kerneltools.build.aot``) compiles every launch the package's plans can make (kernel, constexprs, warps,
+stages, argument types and which arguments are 16-byte aligned / divisible by 16) with ``triton.compile`` for each
+declared ``sm_XY`` and writes them beside this file (the variant stays one flat folder)::
+
+    _prebuilt_sm90.json     the index: one entry per compiled kernel (its launch key, entry name, shared memory,
+                            parameter list, TMA descriptor layouts, offset and size in the .cubin file)
+    _prebuilt_sm90.cubin    the cubins, each zlib-compressed, concatenated
+
+At run time :func:`launch` finds the entry for a launch on the current device's architecture and launches it with
+``cuLaunchKernel`` (``libcuda``, which torch has already loaded); TMA descriptors are encoded with
+``cuTensorMapEncodeTiled`` as Triton's launcher encodes them. A launch without an entry (another architecture, a
+variant without these files, an unaligned argument, a plan the build did not cover) returns False and the caller uses
+Triton's JIT, as without prebuilt kernels. The ``prebuilt`` setting (``GEGLU_PREBUILT=0``) turns this off.
+"""
+
+import ctypes
+import json
+import os
+import struct
+import threading
+import zlib
+
+import torch
+
+from . import _config
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PREFIX = "_prebuilt_sm"
+TYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
+              torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8"}
+# The compiler's TMA element type -> cuTensorMapEncodeTiled's CUtensorMapDataType (they differ in three values;
+# Triton's launcher maps them the same way)
+_TMA_HOST_TYPE = {8: 10, 9: 8, 10: 9}
+_I32_MIN, _I32_MAX = -(2 ** 31), 2 ** 31
+
+
+class Desc:
+    """A host-side TMA descriptor to be encoded at launch: ``base`` tensor, logical ``shape`` and element
+    ``strides`` (unit last stride), the kernel's ``block`` shape (Triton's ``TensorDescriptor`` fields)."""
+
+    __slots__ = ("base", "shape", "strides", "block")
+
+    def __init__(self, base, shape, strides, block):
+        self.base, self.shape, self.strides, self.block = base, list(shape), list(strides), list(block)
+
+
+def arg_type(a) -> str:
+    """The Triton signature type of a launch argument (what the build compiled for)."""
+    if isinstance(a, Desc):
+        return f"tensordesc<{TYPE_NAMES[a.base.dtype]}[{', '.join(map(str, a.block))}]>"
+    if isinstance(a, bool):
+        return "i1"
+    if isinstance(a, int):
+        return "i32" if _I32_MIN <= a < _I32_MAX else "i64"
+    if isinstance(a, float):
+        return "fp32"
+    return "*" + TYPE_NAMES[a.dtype]
+
+
+def arg_hint(a) -> bool:
+    """Whether Triton would mark the argument divisible by 16 (pointers: 16-byte aligned). 1 is not hinted: the JIT
+    makes it a constant, the prebuilt kernels take it as a value."""
+    if isinstance(a, Desc) or isinstance(a, (bool, float)):
+        return False
+    if isinstance(a, int):
+        return a % 16 == 0
+    return a.data_ptr() % 16 == 0
+
+
+def key(fn_name: str, consts, num_warps: int, num_stages: int, types) -> str:
+    """The index key of a launch (types: the arguments' signature types in order; booleans count as 0 / 1, as the
+    compiled constants do)."""
+    consts = [int(c) if isinstance(c, bool) else c for c in consts]
+    return json.dumps([fn_name, consts, num_warps, num_stages, list(types)])
+
+
+# --- the index ---------------------------------------------------------------------------------------------------
+
+_lock = threading.Lock()
+_indexes = {}  # arch -> (entries by key, cubin bytes) or None
+
+
+def _index(arch: int):
+    idx = _indexes.get(arch, False)
+    if idx is not False:
+        return idx
+    with _lock:
+        if arch in _indexes:
+            return _indexes[arch]
+        idx = None
+        path = os.path.join(HERE, f"{PREFIX}{arch}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                manifest = json.load(f)
+            with open(os.path.join(HERE, f"{PREFIX}{arch}.cubin"), "rb") as f:
+                blob = f.read()
+            entries = {}
+            for e in manifest["kernels"]:
+                e["hint_mask"] = sum(1 << i for i, h in enumerate(e["hints"]) if h)
+                entries.setdefault(key(e["fn"], e["consts"], e["num_warps"], e["num_stages"], e["types"]),
+                                   []).append(e)
+            for group in entries.values():  # the most specialised first
+                group.sort(key=lambda e: -len([h for h in e["hints"] if h]))
+            idx = (entries, blob)
+        _indexes[arch] = idx
+        return idx
+
+
+def architectures():
+    """The architectures this variant ships prebuilt kernels for, e.g. [90]."""
+    return sorted(int(n[len(PREFIX):-5]) for n in os.listdir(HERE) if n.startswith(PREFIX) and n.endswith(".json"))
+
+
+def info() -> dict:
+    """What is prebuilt: {'architectures': [...], 'kernels': {arch: count}, 'triton': the compiler's version}."""
+    out = {"architectures": architectures(), "kernels": {}, "triton": None}
+    for arch in out["architectures"]:
+        with open(os.path.join(HERE, f"{PREFIX}{arch}.json")) as f:
+            manifest = json.load(f)
+        out["kernels"][arch] = len(manifest["kernels"])
+        out["triton"] = manifest.get("triton")
+    return out
+
+
+# --- the driver ----------------------------------------------------------------------------------------------------
+
+_cuda = None
+_arch_of = {}  # device index -> sm number (None: no prebuilt kernels there)
+_loaded = {}  # (entry id, device) -> CUfunction
+
+
+def _driver():
+    global _cuda
+    if _cuda is None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        vp, u32 = ctypes.c_void_p, ctypes.c_uint
+        lib.cuLaunchKernel.argtypes = [vp, u32, u32, u32, u32, u32, u32, u32, vp, vp, vp]
+        lib.cuModuleLoadData.argtypes = [ctypes.POINTER(vp), ctypes.c_char_p]
+        lib.cuModuleGetFunction.argtypes = [ctypes.POINTER(vp), vp, ctypes.c_char_p]
+        lib.cuFuncSetAttribute.argtypes = [vp, ctypes.c_int, ctypes.c_int]
+        lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(vp)]
+        lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(vp), ctypes.c_int]
+        lib.cuCtxSetCurrent.argtypes = [vp]
+        lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        lib.cuTensorMapEncodeTiled.argtypes = [vp, ctypes.c_int, u32, vp, vp, vp, vp, vp, ctypes.c_int, ctypes.c_int,
+                                               ctypes.c_int, ctypes.c_int]
+        _cuda = lib
+    return _cuda
+
+
+def _check(status: int, what: str) -> None:
+    if status:
+        msg = ctypes.c_char_p()
+        _cuda.cuGetErrorString(status, ctypes.byref(msg))
+        raise RuntimeError(f"geglu: {what} failed with CUDA error {status} "
+                           f"({msg.value.decode() if msg.value else 'unknown'}) for a prebuilt kernel.")
+
+
+def _arch(device_index: int):
+    arch = _arch_of.get(device_index, False)
+    if arch is False:
+        major, minor = torch.cuda.get_device_capability(device_index)
+        arch = major * 10 + minor
+        arch = arch if _index(arch) is not None else None
+        _arch_of[device_index] = arch
+    return arch
+
+
+def _function(entry: dict, device_index: int, blob: bytes):
+    fid = (id(entry), device_index)
+    fn = _loaded.get(fid)
+    if fn is None:
+        lib = _driver()
+        ctx = ctypes.c_void_p()
+        _check(lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+        if not ctx.value:  # a thread where nothing made the primary context current yet
+            _check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), device_index), "cuDevicePrimaryCtxRetain")
+            _check(lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        module, fn_ptr = ctypes.c_void_p(), ctypes.c_void_p()
+        image = zlib.decompress(blob[entry["offset"]:entry["offset"] + entry["size"]])
+        _check(lib.cuModuleLoadData(ctypes.byref(module), image), "cuModuleLoadData")
+        _check(lib.cuModuleGetFunction(ctypes.byref(fn_ptr), module, entry["name"].encode()), "cuModuleGetFunction")
+        if entry["shared"] > 48 * 1024:  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            _check(lib.cuFuncSetAttribute(fn_ptr, 8, entry["shared"]), "cuFuncSetAttribute")
+        fn = _loaded[fid] = fn_ptr.value
+    return fn
+
+
+_f32_bits = {}
+
+
+def _float_bits(v: float) -> int:
+    b = _f32_bits.get(v)
+    if b is None:
+        b = struct.unpack("<I", struct.pack("<f", v))[0]
+        if len(_f32_bits) < 4096:
+            _f32_bits[v] = b
+    return b
+
+
+def _encode(d: Desc, meta: dict, words, at: int) -> None:
+    """Write d's CUtensorMap (16 words) at words[at:]: Triton's tiled encoding (dims innermost first, byte strides
+    of the outer dims, the block as the box, unit element strides, 128-byte L2 promotion, zero fill)."""
+    rank = len(d.shape)
+    es = meta["elem_size"]
+    u64x5, u32x5 = ctypes.c_uint64 * 5, ctypes.c_uint32 * 5
+    scratch = (ctypes.c_uint8 * 192)()  # a CUtensorMap is 64-byte aligned
+    aligned = ctypes.addressof(scratch) + (-ctypes.addressof(scratch)) % 64
+    dims = u64x5(*reversed(d.shape))
+    strides = u64x5(*[s * es for s in reversed(d.strides[:-1])])
+    box = u32x5(*reversed(meta["block_size"]))
+    ones = u32x5(1, 1, 1, 1, 1)
+    status = _cuda.cuTensorMapEncodeTiled(aligned, _TMA_HOST_TYPE.get(meta["elem_type"], meta["elem_type"]), rank, d.base.data_ptr(), dims, strides,
+                                          box, ones, 0, meta["swizzle"], 2, 0)
+    _check(status, "cuTensorMapEncodeTiled")
+    ctypes.memmove(ctypes.addressof(words) + 8 * at, aligned, 128)
+
+
+def find(fn_name: str, args, consts, num_warps: int, num_stages: int, device_index: int):
+    """The prebuilt kernel for this launch on ``device_index`` as a callable ``run(grid, args, stream)``, or None
+    (then the caller uses Triton's JIT)."""
+    if not _config.current.prebuilt:
+        return None
+    arch = _arch(device_index)
+    if arch is None:
+        return None
+    entries, blob = _indexes[arch]
+    group = entries.get(key(fn_name, consts, num_warps, num_stages, [arg_type(a) for a in args]))
+    if not group:
+        return None
+    have = sum(1 << i for i, a in enumerate(args) if arg_hint(a))
+    for entry in group:
+        if entry["hint_mask"] & ~have == 0:
+            return _launcher(entry, _function(entry, device_index, blob))
+    return None
+
+
+def _launcher(entry: dict, function: int):
+    """run(grid, args, stream): the kernel's parameters packed as 64-bit words (a TMA descriptor takes 16, followed
+    by its shape as i32 and its strides as i64, as Triton passes host-side descriptors; then the global and the
+    profile scratch pointers, both null), launched with the block and shared memory the compile chose."""
+    kinds = entry["types"]
+    metas = entry.get("tensordesc_meta") or []
+    threads, shared = 32 * entry["num_warps"], entry["shared"]
+    layout, n = [], 0  # per argument: (kind, first word)
+    di = 0
+    for t in kinds:
+        if t.startswith("tensordesc"):
+            rank = t.count(",") + 1
+            layout.append(("desc", n, metas[di], rank))
+            di += 1
+            n += 16 + 2 * rank
+        else:
+            layout.append(("f32" if t == "fp32" else "ptr" if t.startswith("*") else "int", n, None, 0))
+            n += 1
+    offsets = [w for kind, w, _, rank in layout for w in
+               ([w] + [w + 16 + i for i in range(2 * rank)] if kind == "desc" else [w])]
+    scratch = n
+    n += 2
+    offsets += [scratch, scratch + 1]
+    n_params = len(offsets)
+    words_t, params_t = ctypes.c_uint64 * n, ctypes.c_void_p * n_params
+    lib = _driver()
+    launch = lib.cuLaunchKernel
+
+    def run(grid, args, stream):
+        words = words_t()
+        for (kind, w, meta, rank), a in zip(layout, args):
+            if kind == "ptr":
+                words[w] = a.data_ptr()
+            elif kind == "int":
+                words[w] = a & 0xFFFFFFFFFFFFFFFF
+            elif kind == "f32":
+                words[w] = _float_bits(a)
+            else:
+                _encode(a, meta, words, w)
+                for i, s in enumerate(a.shape):
+                    words[w + 16 + i] = s
+                for i, s in enumerate(a.strides):
+                    words[w + 16 + rank + i] = s
+        base = ctypes.addressof(words)
+        params = params_t(*[base + 8 * o for o in offsets])
+        gx = grid[0]
+        gy = grid[1] if len(grid) > 1 else 1
+        gz = grid[2] if len(grid) > 2 else 1
+        if gx * gy * gz:
+            _check(launch(function, gx, gy, gz, threads, 1, 1, shared, stream, params, None), "cuLaunchKernel")
+
+    return run
+
+
+__all__ = ["Desc", "find", "info", "architectures", "arg_type", "arg_hint", "key"]
