@@ -33,12 +33,10 @@ def et(geglu):
 
 @pytest.fixture
 def experts_mod(geglu, monkeypatch):
-    """The package's ``_experts`` with the row threshold at 1 (tiny shapes take the fused path where the rule
-    allows), an empty decision table, and the Triton backend on CPU (the interpreter)."""
+    """The package's ``_experts`` with the shipped rule saying fused at every row count (tiny shapes take the fused
+    path where it applies), and the Triton backend on CPU (the interpreter)."""
     mod = importlib.import_module(geglu.__name__ + "._experts")
-    monkeypatch.setattr(mod, "FUSED_MIN_ROWS", 1)
-    monkeypatch.setattr(mod, "_DECISIONS", {})
-    monkeypatch.setattr(mod, "DECISION_TIMES", {})
+    monkeypatch.setattr(mod, "fused_rule", lambda rows, device: True)
     restore = geglu.configure(backend="auto" if HAS_CUDA else "triton")
     try:
         yield mod
@@ -149,23 +147,23 @@ def _layer_forward(geglu, mod, *args):
     return geglu.layers.GeGLUExperts.forward(mod, *args)
 
 
-def _always(monkeypatch, mlp_mod, answer, calls):
-    def decide(fused, regular, device, **kw):
-        calls.append(device)
+def _always(monkeypatch, experts_mod, answer, calls):
+    """The shipped rule answering ``answer``; each question (routed rows, device) goes to ``calls``."""
+    def decide(rows, device):
+        calls.append((rows, device))
         return answer
 
-    monkeypatch.setattr(mlp_mod, "fused_is_faster", decide)
+    monkeypatch.setattr(experts_mod, "fused_rule", decide)
 
 
 @pytest.mark.parametrize("approximate", APPROX)
 def test_fused_block_is_transformers_grouped_mm_around_the_kernel(geglu, et, experts_mod, monkeypatch,
                                                                   approximate):
-    """Where the rule says faster, the block's output is transformers' grouped_mm forward, bit for bit, when that
+    """Where the rule says fused, the block's output is transformers' grouped_mm forward, bit for bit, when that
     forward is handed the kernel's h as its gate (sort, gather, the down grouped GEMM, the routing weights, the
-    un-permute and the sum are its own ops), and the decision is timed once per shape bucket."""
-    mlp_mod = importlib.import_module(geglu.__name__ + "._mlp")
+    un-permute and the sum are its own ops); the rule is asked with the routed rows, and nothing is timed."""
     calls = []
-    _always(monkeypatch, mlp_mod, True, calls)
+    _always(monkeypatch, experts_mod, True, calls)
     act = "gelu_pytorch_tanh" if approximate == "tanh" else "gelu"
     mod = _gemma4_experts(act=act)
     x, idx, w = _routing(mod, 48)
@@ -178,15 +176,13 @@ def test_fused_block_is_transformers_grouped_mm_around_the_kernel(geglu, et, exp
         h = et.grouped_gate_up_geglu(x[perm // 2], mod.gate_up_proj, offsets, approximate == "tanh")
         mod._apply_gate = lambda gate_up: h
         ref = type(mod).forward(mod, x, idx, w)
-    assert len(calls) == 1 and torch.equal(y, y2)
+    assert [rows for rows, _ in calls] == [idx.numel()] * 2 and torch.equal(y, y2)
     assert torch.equal(y, ref), f"{(y != ref).sum().item()} of {y.numel()} differ"
 
 
 def test_fused_block_releases_its_buffers_early(geglu, et, experts_mod, monkeypatch):
     """The sorted rows are released before the down projection and h and the down projection's output before the
     un-permute, so that the block's peak memory stays below transformers' (which keeps all three to its end)."""
-    mlp_mod = importlib.import_module(geglu.__name__ + "._mlp")
-    _always(monkeypatch, mlp_mod, True, [])
     refs, alive = {}, {}
     kernel, down, empty_like = et.grouped_gate_up_geglu, experts_mod.grouped_mm, torch.empty_like
 
@@ -218,26 +214,20 @@ def test_fused_block_releases_its_buffers_early(geglu, et, experts_mod, monkeypa
 
 
 def test_fused_block_only_where_the_rule_allows(geglu, experts_mod, monkeypatch):
-    """transformers' own block (with our packed gate) runs, bit-exact with the host, when the timing says the fused
-    block is not faster, with the fused_mlp setting off, with a gradient, with another experts implementation, with
-    an activation the kernel does not compute, and below FUSED_MIN_ROWS routed rows; only grouped_mm in inference
-    takes the fused block."""
-    mlp_mod = importlib.import_module(geglu.__name__ + "._mlp")
+    """transformers' own block (with our packed gate) runs, bit-exact with the host, when the shipped rule says the
+    fused block is not faster, with the fused_mlp setting off, with a gradient, with another experts implementation
+    and with an activation the kernel does not compute (the rule is not even asked then); only grouped_mm in
+    inference takes the fused block, where the rule says so."""
     calls = []
-    _always(monkeypatch, mlp_mod, False, calls)
+    _always(monkeypatch, experts_mod, False, calls)
     mod = _gemma4_experts()
     x, idx, w = _routing(mod, 48)
     with torch.no_grad():
         host = type(mod).forward(mod, x, idx, w)
-        assert torch.equal(_layer_forward(geglu, mod, x, idx, w), host) and len(calls) == 1  # measured slower
-    monkeypatch.setattr(experts_mod, "_DECISIONS", {})
-    _always(monkeypatch, mlp_mod, True, calls)
+        assert torch.equal(_layer_forward(geglu, mod, x, idx, w), host) and len(calls) == 1  # the rule says no
+    _always(monkeypatch, experts_mod, True, calls)
     with torch.no_grad(), geglu.configure(fused_mlp=False):
         assert torch.equal(_layer_forward(geglu, mod, x, idx, w), host) and len(calls) == 1
-    with torch.no_grad():
-        monkeypatch.setattr(experts_mod, "FUSED_MIN_ROWS", idx.numel() + 1)
-        assert torch.equal(_layer_forward(geglu, mod, x, idx, w), host) and len(calls) == 1
-        monkeypatch.setattr(experts_mod, "FUSED_MIN_ROWS", 1)
     leaf = x.detach().clone().requires_grad_()
     y = _layer_forward(geglu, mod, leaf, idx, w)
     assert torch.equal(y.detach(), host) and len(calls) == 1 and y.grad_fn is not None
@@ -253,6 +243,19 @@ def test_fused_block_only_where_the_rule_allows(geglu, experts_mod, monkeypatch)
     with torch.no_grad():
         y = _layer_forward(geglu, mod, x, idx, w)
     assert len(calls) == 2 and not torch.equal(y, host)  # the fused block: its own (more accurate) bits
+
+
+def test_shipped_rows_rule(geglu, monkeypatch):
+    """The shipped rule: from FUSED_MIN_ROWS routed rows for the GPU's architecture, never on one without an entry;
+    always on CPU tensors (the interpreter)."""
+    mod = importlib.import_module(geglu.__name__ + "._experts")
+    mlp_mod = importlib.import_module(geglu.__name__ + "._mlp")
+    monkeypatch.setattr(mlp_mod, "_capability", lambda device: 9)
+    cuda = torch.device("cuda", 0)
+    assert not mod.fused_rule(mod.FUSED_MIN_ROWS[9] - 1, cuda) and mod.fused_rule(mod.FUSED_MIN_ROWS[9], cuda)
+    monkeypatch.setattr(mlp_mod, "_capability", lambda device: 8)
+    assert not mod.fused_rule(1 << 30, cuda)
+    assert mod.fused_rule(1, torch.device("cpu"))
 
 
 @pytest.mark.gpu

@@ -52,9 +52,8 @@ def fused(geglu, mlp):
 
 @pytest.fixture
 def fresh_decisions(mlp, kt, monkeypatch):
-    """An empty per-shape decision table (and tile table) for the test, the real ones restored after it."""
-    monkeypatch.setattr(mlp, "_DECISIONS", {})
-    monkeypatch.setattr(mlp, "DECISION_TIMES", {})
+    """An empty tile table for the test (the fused path's per-shape stage choices), the real one restored after
+    it."""
     monkeypatch.setattr(kt, "TUNED", {})
     return mlp
 
@@ -377,87 +376,62 @@ def _count(monkeypatch, module, name):
     return calls
 
 
-class _Clock:
-    """A stand-in clock for ``fused_is_faster``: each timed call takes the next given time of its path."""
+def _rule(monkeypatch, mlp, answer):
+    """The shipped rule answering ``answer``; returns the list of its questions (M, D, H)."""
+    asked = []
 
-    def __init__(self, fused, fused_ms, regular_ms):
-        self.fused, self.ms = fused, {"fused": list(fused_ms), "regular": list(regular_ms)}
-        self.out = []
+    def rule(M, D, H, device):
+        asked.append((M, D, H))
+        return answer
 
-    def time(self, fn):
-        fn()
-        self.out.append(self.ms["fused" if fn is self.fused else "regular"].pop(0))
-
-    def results(self):
-        return self.out
+    monkeypatch.setattr(mlp, "fused_rule", rule)
+    return asked
 
 
-def test_fused_is_faster_compares_medians_with_a_one_percent_margin(mlp):
-    """The rule: after two warm-up calls of each path, eleven alternating timed rounds; fused wins only when its
-    median is at least 1 % below the regular path's (an outlier round does not decide it)."""
-    def fused():
-        return None
+def _no_timing(monkeypatch):
+    """Fail on any CUDA event or synchronisation: the path's choice must cost nothing at run time."""
+    def timing(*a, **k):
+        pytest.fail("the inference path timed something")
 
-    def regular():
-        return None
-
-    rec = {}
-    assert mlp.fused_is_faster(fused, regular, torch.device("cpu"), record=rec,
-                               clock=_Clock(fused, [1.0] * 10 + [50.0], [2.0] * 11))
-    assert rec == {"fused_ms": 1.0, "regular_ms": 2.0}
-    assert not mlp.fused_is_faster(fused, regular, torch.device("cpu"),
-                                   clock=_Clock(fused, [0.995] * 11, [1.0] * 11))  # under 1 % faster: regular
-    assert not mlp.fused_is_faster(fused, regular, torch.device("cpu"),
-                                   clock=_Clock(fused, [2.0] * 11, [1.0] * 10 + [0.01]))
+    monkeypatch.setattr(torch.cuda, "Event", timing)
+    monkeypatch.setattr(torch.cuda, "synchronize", timing)
 
 
 @pytest.mark.parametrize("approximate", APPROX)
-def test_inference_times_each_shape_once_and_follows_the_rule(geglu, fused, fresh_decisions, kt, monkeypatch,
-                                                              approximate):
-    """The first inference call of a shape bucket times the fused path against the regular one with the real rule
-    (its two medians recorded), later calls of the bucket reuse the answer; the output is that path's: the regular
-    path's bits, or within the fast epilogue's bound of fp64."""
+def test_inference_follows_the_shipped_rule_without_timing(geglu, fused, fresh_decisions, kt, monkeypatch,
+                                                          approximate):
+    """The inference forward asks the shipped rule (rows, D, H) and times nothing: where it says fused, the fused
+    kernel's output (within the fast epilogue's bound of fp64); where it says regular, eager's bits."""
     mlp = fresh_decisions
     m, x = _layer(geglu, 32, 48, torch.bfloat16, approximate)
-    timed = _count(monkeypatch, mlp, "fused_is_faster")
-    with torch.no_grad():
-        y = m(x)
-        assert len(timed) == 1 and len(mlp._DECISIONS) == 1
-        key = next(iter(mlp._DECISIONS))
-        times = mlp.DECISION_TIMES[key]
-        assert times["fused_ms"] > 0 and times["regular_ms"] > 0
-        assert mlp._DECISIONS[key] == (times["fused_ms"] < mlp._MARGIN * times["regular_ms"])
-        assert torch.equal(m(x[:90]), m(x)[:90]) or mlp._DECISIONS[key]  # the same bucket (128 rows)
-        assert len(timed) == 1, "timed the same shape bucket twice"
-        regular = mlp.regular(x, *_weights(m), approximate)
-        if mlp._DECISIONS[key]:
-            h = F.linear(x, m.gate_proj.weight)  # (only the shapes matter here)
-            assert y.shape == regular.shape and not torch.equal(y, regular) or True
-        else:
-            assert torch.equal(y, regular)
-            assert torch.equal(y, _eager(x, *_weights(m), approximate))
-
-
-def test_inference_takes_the_fused_kernel_where_the_rule_says_faster(geglu, fused, fresh_decisions, kt,
-                                                                     monkeypatch):
-    """With the rule's clock saying fused is faster (the timing itself is the rule's: see above), the inference
-    forward runs the fused kernel, and its output is within the fast epilogue's bound of fp64 for every element of
-    the hidden state (checked on h through the layer's own weights)."""
-    mlp = fresh_decisions
-    approximate = "tanh"
-    m, x = _layer(geglu, 32, 48, torch.float16, approximate)
-    real = mlp.fused_is_faster
-    monkeypatch.setattr(mlp, "fused_is_faster", lambda f, r, dev, **k: real(
-        f, r, dev, clock=_Clock(f, [1.0] * 11, [2.0] * 11), **k))
     calls = _count(monkeypatch, kt, "gate_up_geglu")
+    _no_timing(monkeypatch)
     with torch.no_grad():
+        asked = _rule(monkeypatch, mlp, False)
         y = m(x)
-    assert mlp._DECISIONS[next(iter(mlp._DECISIONS))] is True
-    assert len(calls) == 2 + 11 + 1  # warm-ups, timed rounds, then the call itself
-    h, _ = kt.gate_up_geglu(x, m.gate_proj.weight, m.up_proj.weight, True, False,
-                            kt.inference_config(x.shape[0]))
+        assert asked == [(x.shape[0], 32, 48)] and not calls
+        assert torch.equal(y, _eager(x, *_weights(m), approximate))
+        asked = _rule(monkeypatch, mlp, True)
+        y = m(x)
+        assert asked == [(x.shape[0], 32, 48)] and len(calls) == 1
+        h, _ = kt.gate_up_geglu(x, m.gate_proj.weight, m.up_proj.weight, approximate == "tanh", False,
+                                kt.inference_config(x.shape[0]))
     _assert_within_fp64_bound(h, x, m.gate_proj.weight, m.up_proj.weight, approximate, "inference h")
     assert torch.equal(y, torch.mm(h, m.down_proj.weight.t()))
+
+
+def test_shipped_rule(mlp, monkeypatch):
+    """The shipped rule for sm_9x: fused from min_m rows where H >= min_h, never on an architecture without a rule;
+    always on CPU tensors (the interpreter)."""
+    rule = mlp.FUSED_RULES[9]
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(mlp, "_capability", lambda device: 9)
+    assert mlp.fused_rule(rule["min_m"], 2560, rule["min_h"], cuda)
+    assert not mlp.fused_rule(rule["min_m"] - 1, 2560, rule["min_h"], cuda)
+    assert not mlp.fused_rule(rule["min_m"], 2560, rule["min_h"] - 1, cuda)
+    monkeypatch.setattr(mlp, "_capability", lambda device: 8)
+    assert not mlp.fused_rule(1 << 20, 4096, 1 << 16, cuda)
+    assert mlp.fused_rule(1, 1, 1, torch.device("cpu"))
 
 
 def test_fused_path_never_runs_when_off_in_training_at_decode_or_through_modules(geglu, fresh_decisions, kt, mlp,
@@ -480,7 +454,7 @@ def test_fused_path_never_runs_when_off_in_training_at_decode_or_through_modules
         y = m(x)  # training: the node (CPU), or eager's own ops (a host-bound CUDA step this small)
         node = "MmBackward0" if HAS_CUDA and mlp.host_bound(x, m.gate_proj.weight) else "GeGLUMLPFunctionBackward"
         assert type(y.grad_fn).__name__ == node and torch.equal(y, eager)
-        assert not calls and not mlp._DECISIONS
+        assert not calls
     finally:
         restore.__exit__()
 
@@ -716,36 +690,36 @@ def test_gpu_fused_training_unaligned_dy_takes_the_products_fallback(geglu, mlp,
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("approximate", APPROX)
-def test_gpu_inference_times_once_per_shape(geglu, fresh_decisions, kt, approximate, monkeypatch):
-    """On a GPU, the first inference call of a shape times fused against cuBLAS + pointwise and remembers the
-    answer; later calls of that shape bucket reuse it; whichever path runs, the output is no less accurate than
-    eager's; during CUDA-graph capture an undecided shape takes the regular path."""
+def test_gpu_inference_follows_the_rule_and_captures_in_a_graph(geglu, fresh_decisions, kt, approximate,
+                                                                monkeypatch):
+    """On a GPU the inference path is the shipped rule's choice, decided without timing: at a shape it takes the
+    fused path (eager mode and inside a CUDA graph capture, which replays to the same bits), the output is no less
+    accurate than eager's; at one it does not, eager's bits."""
     mlp = fresh_decisions
-    m, x = _layer(geglu, 256, 1024, torch.bfloat16, approximate)
+    rule = mlp.FUSED_RULES[torch.cuda.get_device_capability()[0]]
+    m, x = _layer(geglu, 1024, rule["min_h"], torch.bfloat16, approximate, M=rule["min_m"])
+    calls = _count(monkeypatch, kt, "gate_up_geglu")
     with torch.no_grad():
         y = m(x)
-        assert len(mlp._DECISIONS) == 1
-        times = mlp.DECISION_TIMES[next(iter(mlp._DECISIONS))]
-        assert times["fused_ms"] > 0 and times["regular_ms"] > 0
-        assert mlp._DECISIONS[next(iter(mlp._DECISIONS))] == (times["fused_ms"] < mlp._MARGIN * times["regular_ms"])
-        monkeypatch.setattr(mlp, "fused_is_faster", lambda *a, **k: pytest.fail("timed twice"))
-        assert torch.equal(m(x), y)
+        assert len(calls) == 1 and torch.equal(m(x), y)
         eager = _eager(x, *_weights(m), approximate)
         ref = F.linear(_fp64_h(x, m.gate_proj.weight, m.up_proj.weight, approximate), m.down_proj.weight.double())
         assert _err(y, ref) <= 1.02 * _err(eager, ref)
-        mlp._DECISIONS.clear()
-        regular = mlp.regular(x, *_weights(m), approximate)
         graph = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            mlp.regular(x, *_weights(m), approximate)  # warm-up outside the capture
+            m(x)  # warm-up outside the capture
         torch.cuda.current_stream().wait_stream(side)
         with torch.cuda.graph(graph):
             yg = m(x)
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(yg, regular) and not mlp._DECISIONS
+        assert torch.equal(yg, y)
+        small = x[: mlp.DECODE_MAX_M + 1]
+        n = len(calls)
+        if not mlp.fused_rule(small.shape[0], 1024, rule["min_h"], small.device):
+            assert torch.equal(m(small), _eager(small, *_weights(m), approximate)) and len(calls) == n
 
 
 @pytest.mark.gpu

@@ -47,12 +47,21 @@ def eager_forward(experts, gate: Callable, hidden_states: torch.Tensor, top_k_in
 
 # --- grouped_mm inference with the fused gate/up kernel ----------------------------------------------------------
 
-# Routed rows (tokens x top-k) below which the fused path is never tried: at decode sizes most experts get a row
-# or none, a tile is mostly empty and the block is bound by reading the experts' weights, which both paths do once.
-FUSED_MIN_ROWS = 4096
-# (rows bucket, experts, D, I, dtype, device) -> whether the fused block was measured faster; and its two medians
-_DECISIONS: dict = {}
-DECISION_TIMES: dict = {}
+# Routed rows (tokens x top-k) from which the fused block runs, per compute capability major (none elsewhere): at
+# decode sizes most experts get a row or none, a tile is mostly empty and the block is bound by reading the
+# experts' weights, which both paths do once. Measured ahead of time (`python -m kerneltools.bench.fused_rule`,
+# benchmarks/results/h200/fused-rule.md); nothing is timed at run time.
+FUSED_MIN_ROWS = {9: 4096}
+
+
+def fused_rule(rows: int, device: torch.device) -> bool:
+    """Whether the fused block runs for ``rows`` routed rows on ``device``: the shipped threshold for the GPU's
+    architecture (never on one it has none for); on CPU tensors (the Triton interpreter, tests) always."""
+    if device.type != "cuda":
+        return True
+    from . import _mlp
+
+    return rows >= FUSED_MIN_ROWS.get(_mlp._capability(device), 1 << 62)
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -106,23 +115,24 @@ def _fused_block(experts, hidden_states, top_k_index, top_k_weights, tanh: bool)
 
 def fused_forward(experts, hidden_states, top_k_index, top_k_weights, approximate):
     """The experts block with the fused gate/up kernel, or None where it does not apply: the grouped_mm
-    implementation, inference (no gradient), the ``fused_mlp`` setting on, at least ``FUSED_MIN_ROWS`` routed rows,
-    operands the kernel takes, and a one-time timing per shape bucket on the device that measured the fused block
-    at least 1 % faster than transformers' (`_mlp.fused_is_faster`, the dense fused MLP's rule). Not eager's bits:
-    the GeGLU of the fp32 accumulators, rounded once."""
-    from . import _config, _mlp
+    implementation, inference (no gradient), the ``fused_mlp`` setting on, operands the kernel takes, and at least
+    ``FUSED_MIN_ROWS`` routed rows for the GPU's architecture (CPU tensors under the interpreter: any). Not eager's
+    bits: the GeGLU of the fp32 accumulators, rounded once."""
+    from . import _config
 
     if approximate is None or not _config.current.fused_mlp or hidden_states.dim() != 2:
         return None
     rows = top_k_index.numel()
     implementation = getattr(getattr(experts, "config", None), "_experts_implementation", None)
-    if rows < FUSED_MIN_ROWS or implementation != "grouped_mm":
+    if implementation != "grouped_mm":
         return None
     if torch.is_grad_enabled() and any(t.requires_grad for t in (hidden_states, top_k_weights, experts.gate_up_proj,
                                                                    experts.down_proj)):
         return None
     dev = hidden_states.device
     if dev.type != "cuda" and (dev.type != "cpu" or _config.current.backend != "triton"):
+        return None
+    if not fused_rule(rows, dev):
         return None
     if not _plain_grouped(experts) or experts.down_proj.dtype != hidden_states.dtype:
         return None
@@ -132,12 +142,4 @@ def fused_forward(experts, hidden_states, top_k_index, top_k_weights, approximat
         return None
     if not _experts_triton.applies(hidden_states, experts.gate_up_proj):
         return None
-    tanh = approximate == "tanh"
-    E, I2, D = experts.gate_up_proj.shape
-    key = (1 << (rows - 1).bit_length(), E, D, I2 // 2, hidden_states.dtype, dev)
-    if not _mlp.measured_faster(_DECISIONS, DECISION_TIMES, key,
-                                lambda: _fused_block(experts, hidden_states, top_k_index, top_k_weights, tanh),
-                                lambda: type(experts).forward(experts, hidden_states, top_k_index, top_k_weights),
-                                dev):
-        return None  # measured slower, or nothing could be timed (graph capture): transformers' block
-    return _fused_block(experts, hidden_states, top_k_index, top_k_weights, tanh)
+    return _fused_block(experts, hidden_states, top_k_index, top_k_weights, approximate == "tanh")

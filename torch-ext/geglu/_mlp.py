@@ -4,8 +4,8 @@
 
 * **Eager inference** (no gradient): ``F.linear`` for the projections and our pointwise kernel, eager's bits; with
   the ``fused_mlp`` setting (default), fp16/bf16 CUDA inputs of more than ``DECODE_MAX_M`` rows take the fused gate/up
-  GEMM (the GeGLU in its epilogue, ``_fused_mlp_triton``) where a one-time timing per shape bucket on the device says
-  it is at least 1 % faster.
+  GEMM (the GeGLU in its epilogue, ``_fused_mlp_triton``) where the shipped rule for the GPU's architecture says it is
+  faster (``fused_rule``: rows and width, measured ahead of time; nothing is timed at run time).
 * **Eager training**: one autograd node, :class:`GeGLUMLPFunction` (below). Small CUDA steps (under
   ``_backend.NODE_EAGER_BELOW`` [M, H] elements) are host-bound and run PyTorch's own ops with the host's
   activation instead: a Python node costs the host more than eager's C++ nodes.
@@ -34,8 +34,6 @@ Under torch.compile the training op is the default node's computation (eager's b
 for eager mode).
 """
 
-import contextlib
-import time
 from typing import Optional, Tuple
 
 import torch
@@ -132,16 +130,37 @@ def regular(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, approximate
 
 
 def inference(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, approximate: str) -> Tensor:
-    """The MLP forward without a gradient: the fused gate/up GEMM where the ``fused_mlp`` setting allows it and it
-    was measured faster for this shape on this device, else :func:`regular`."""
+    """The MLP forward without a gradient: the fused gate/up GEMM where the ``fused_mlp`` setting allows it and
+    :func:`fused_rule` says it is faster for this shape on this device, else :func:`regular`."""
     y = _fused_inference(x, w_gate, w_up, w_down, approximate) if _config.current.fused_mlp else None
     return y if y is not None else regular(x, w_gate, w_up, w_down, approximate)
 
 
-# (M bucket, D, H, dtype, device) -> whether the fused path was measured faster; and the two medians it compared
-_DECISIONS: dict = {}
-DECISION_TIMES: dict = {}
-_MARGIN = 0.99  # the fused path must be at least 1 % faster, else the bit-exact path runs
+# Where the fused gate/up GEMM beats cuBLAS + the pointwise kernel, decided from the shape alone (nothing is timed
+# at run time): per compute capability major, the fewest rows and the smallest H at which it runs. Measured on an
+# H200 by `python -m kerneltools.bench.fused_rule` (benchmarks/results/h200/fused-rule.md): every shape of the
+# supported models, fused against regular, in interleaved rounds.
+FUSED_RULES = {9: dict(min_m=257, min_h=4096)}
+
+
+def fused_rule(M: int, D: int, H: int, device: torch.device) -> bool:
+    """Whether the fused path runs for M rows of an MLP [D -> H]: the shipped rule for the device's architecture
+    (False on one it has none for); on CPU tensors (the Triton interpreter, tests) always."""
+    if device.type != "cuda":
+        return True
+    rule = FUSED_RULES.get(_capability(device))
+    return rule is not None and M >= rule["min_m"] and H >= rule["min_h"]
+
+
+_CAPABILITY: dict = {}
+
+
+def _capability(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    cap = _CAPABILITY.get(idx)
+    if cap is None:
+        cap = _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)[0]
+    return cap
 
 
 def _fused_inference(x, w_gate, w_up, w_down, approximate) -> Optional[Tensor]:
@@ -153,13 +172,7 @@ def _fused_inference(x, w_gate, w_up, w_down, approximate) -> Optional[Tensor]:
             and x.dtype == w_gate.dtype == w_up.dtype == w_down.dtype):
         return None
     x2 = x.reshape(-1, D)
-    if not fused_kernel_applies(x2):
-        return None
-    kt = _kernels()
-    key = (kt.m_bucket(x2.shape[0]), D, H, x.dtype, x.device)
-    if not measured_faster(_DECISIONS, DECISION_TIMES, key,
-                           lambda: _fused_forward(x2, w_gate, w_up, w_down, approximate),
-                           lambda: regular(x2, w_gate, w_up, w_down, approximate), x.device):
+    if not fused_kernel_applies(x2) or not fused_rule(x2.shape[0], D, H, x.device):
         return None
     return _fused_forward(x2, w_gate, w_up, w_down, approximate).view(x.shape[:-1] + (w_down.shape[0],))
 
@@ -175,87 +188,6 @@ def _fused_forward(x2: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, app
 
 def _unit_last(w: Tensor) -> Tensor:
     return w if w.stride(-1) == 1 else w.contiguous()
-
-
-class _EventClock:
-    """CUDA events around each timed call, all enqueued before one synchronisation."""
-
-    def __init__(self):
-        self.marks = []
-
-    def time(self, fn):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        self.marks.append((start, end))
-
-    def results(self):
-        self.marks[-1][1].synchronize()
-        return [s.elapsed_time(e) for s, e in self.marks]
-
-
-class _WallClock:
-    """Host wall time per call (CPU tensors: the interpreter in tests)."""
-
-    def __init__(self):
-        self.times = []
-
-    def time(self, fn):
-        t0 = time.perf_counter()
-        fn()
-        self.times.append((time.perf_counter() - t0) * 1e3)
-
-    def results(self):
-        return self.times
-
-
-def measured_faster(decisions: dict, times: dict, key, fused, regular_fn, device: torch.device) -> bool:
-    """Whether ``fused`` is to run for ``key``: the decision recorded in ``decisions``, or else (once per key) the
-    timing of :func:`fused_is_faster` on ``device``, recorded with its two medians in ``times``. False, and nothing
-    recorded, during CUDA graph capture, where nothing can be timed: the caller's regular path runs."""
-    use = decisions.get(key)
-    if use is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return False
-        timing: dict = {}
-        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            use = decisions[key] = fused_is_faster(fused, regular_fn, device, record=timing)
-        times[key] = timing
-    return use
-
-
-def fused_is_faster(fused, regular_fn, device: torch.device, rounds: int = 11, record: Optional[dict] = None,
-                    clock=None) -> bool:
-    """Times both (after two warm-up calls each: the first compiles the Triton kernel), one call at a time, in
-    alternating rounds, with the L2 cache flushed before each call on CUDA (in a model the layers between two MLPs
-    evict its weights), all enqueued before one synchronisation (the host runs ahead of the GPU, as in a model);
-    compares the medians (GEMM timings drift with the clocks). ``record`` receives the two medians (ms); ``clock``
-    replaces the timer (tests)."""
-    for _ in range(2):
-        fused()
-        regular_fn()
-    if clock is None:
-        clock = _EventClock() if device.type == "cuda" else _WallClock()
-    scratch = None
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        scratch = torch.empty(2 * max(int(getattr(props, "L2_cache_size", 0)), 64 << 20), dtype=torch.uint8,
-                              device=device)
-    order = []
-    for _ in range(rounds):
-        for name, fn in (("fused", fused), ("regular", regular_fn)):
-            if scratch is not None:
-                scratch.zero_()
-            clock.time(fn)
-            order.append(name)
-    times = {"fused": [], "regular": []}
-    for name, t in zip(order, clock.results()):
-        times[name].append(t)
-    med = {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
-    if record is not None:
-        record.update(fused_ms=med["fused"], regular_ms=med["regular"])
-    return med["fused"] < _MARGIN * med["regular"]
 
 
 # --- training: one autograd node (eager mode) ------------------------------------------------------------------
@@ -546,5 +478,5 @@ def _train_backward(ctx, dy, _dg, _du, _dh):
 geglu_mlp_train.register_autograd(_train_backward, setup_context=_train_setup)
 
 
-__all__ = ["geglu_mlp", "inference", "regular", "node_applies", "host_bound", "GeGLUMLPFunction",
+__all__ = ["geglu_mlp", "inference", "regular", "fused_rule", "node_applies", "host_bound", "GeGLUMLPFunction",
            "geglu_mlp_op", "geglu_mlp_train", "geglu_mlp_train_backward", "DECODE_MAX_M"]
