@@ -6,6 +6,9 @@
 #   bash benchmarks/device_run.sh tests model
 # Steps, in the order given (each time-limited; a failing step does not stop the later ones):
 #   tests       the GPU test suite of the kernel (tests/kernel)
+#   prebuilt    the prebuilt kernels' GPU tests (same bits as the JIT; a fresh process compiles nothing)
+#   cold        the cold-start benchmark (fresh processes, empty Triton cache; COLD_ARGS: extra options)
+#   rule        where the fused gate/up GEMM wins (the measurement behind the shipped rule)
 #   tools       the GPU tests of the tooling (transformers models, the kernels Benchmark workloads)
 #   model       the whole-model benchmark (MODEL_ARGS: extra options, e.g. "--model all --rounds 3")
 #   pointwise   the pointwise kernels against eager, torch.compile and Liger, with the autograd rows
@@ -45,6 +48,9 @@ step() {  # step NAME SECONDS COMMAND...
 for s in "$@"; do
   case $s in
     tests) step tests 420 python3 -m pytest tests/kernel -q -p no:cacheprovider -m gpu ;;
+    prebuilt) step prebuilt 420 python3 -m pytest tests/kernel/test_prebuilt.py -q -p no:cacheprovider -m gpu ;;
+    cold) step cold 560 python3 -m kerneltools bench --cold-start --build-dir build --out "$OUT" ${COLD_ARGS:-} ;;
+    rule) step rule 300 python3 -m kerneltools.bench.fused_rule --build-dir build --out "$OUT" ;;
     tools) step tools 400 python3 -m pytest tests/tools/test_transformers_kernelize.py \
         tests/tools/test_kernels_benchmark.py -q -p no:cacheprovider ;;
     model) step model 560 python3 -m kerneltools bench --build-dir build --out "$OUT/model" ${MODEL_ARGS:---model all} ;;

@@ -4,11 +4,14 @@
 * ``mlp``: the whole Gemma-style MLP layer (% of cuBLAS, ratio to eager, memory);
 * ``model``: whole transformers models through ``kernelize`` (prefill, decode, training; eager, kernelized,
   compile, kernelized + compile);
-* ``profile``: the profiling analysis behind the project (kernels per forward, CPU time, recompiles).
+* ``profile``: the profiling analysis behind the project (kernels per forward, CPU time, recompiles);
+* ``cold``: a fresh process's first calls, eager against kernelized, with an empty Triton cache (``--cold-start``);
+* ``fused_rule``: where the fused gate/up GEMM wins, the measurement behind the package's shipped rule.
 
     python -m kerneltools bench [--quick] [--dtype bfloat16] [--out DIR]     # pointwise + MLP
     python -m kerneltools bench --mlp-only
     python -m kerneltools bench --model gemma3-4b [--model all] [--parts ...] [--modes ...]
+    python -m kerneltools bench --cold-start [--model gemma3-4b] [--processes 2]
     python -m kerneltools profile
 """
 
@@ -34,6 +37,9 @@ def add_parser(sub) -> None:
     p.add_argument("--no-mlp", action="store_true", help="skip the whole-MLP benchmark")
     p.add_argument("--mlp-only", action="store_true",
                    help="only the whole-MLP benchmark (writes mlp.md and mlp.json under --out)")
+    p.add_argument("--cold-start", action="store_true",
+                   help="time a fresh process's first and second calls (prefill, generate, training step), eager "
+                        "and kernelized, with an empty Triton cache (writes cold-start.md / .json under --out)")
     _model.add_arguments(p)
     p.set_defaults(_main=main)
 
@@ -43,6 +49,10 @@ def main(args) -> int:
 
     if args.out is None:
         args.out = Path("benchmarks/results")
+    if args.cold_start:
+        from . import cold
+
+        return cold.main(args)
     if args.model or args.merge or args.pool:
         return _model.main(args)
     if args.mlp_only and args.no_mlp:
