@@ -131,18 +131,28 @@ class _Restore:
         return False
 
 
+# The compiled library's launch-plan setter, registered by ``_direct`` when it loads the library's entry points
+# (None: no compiled library in this variant, or one without the setter): the modules that read the settings
+# import this one, and this one imports none of them (only the generated ``_ops``, for HAS_CUDA_LIB).
+_set_plan = None
+
+
+def set_plan_hook(setter) -> None:
+    """Register the compiled library's launch-plan setter (``_direct`` does at import; None for none)."""
+    global _set_plan
+    _set_plan = setter
+
+
 def _apply_plan(plan: str) -> None:
     """Hand the launch plan to the compiled library (it applies to every later launch in the process)."""
-    from . import _direct
-
-    if _direct.set_plan is None:
+    if _set_plan is None:
         if plan:
             raise RuntimeError(
                 f"geglu.configure(cuda_plan={plan!r}): this build variant has no compiled CUDA library to take a "
                 "launch plan (a Triton/CPU variant, or torch without CUDA). Load the torch-stable-abi* variant on a "
                 "CUDA machine, or leave cuda_plan unset.")
         return
-    status = _direct.set_plan(*plan_args(plan))
+    status = _set_plan(*plan_args(plan))
     if status:
         raise ValueError(f"geglu.configure(cuda_plan={plan!r}): the compiled library refused the plan "
                          f"(status {status}); expected {_PLAN_FORMS}.")

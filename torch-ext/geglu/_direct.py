@@ -51,6 +51,7 @@ _stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent from CP
 _ENTRY = _find_entry_points() if _stream is not None else None
 AVAILABLE = _ENTRY is not None
 _fwd, _bwd, _err, set_plan = _ENTRY if AVAILABLE else (None, None, None, None)
+_config.set_plan_hook(set_plan)  # configure(cuda_plan=...) hands plans to it
 if set_plan is not None and _config.current.cuda_plan:  # GEGLU_CUDA_PLAN, read once with the other settings
     set_plan(*_config.plan_args(_config.current.cuda_plan))
 

@@ -1,0 +1,160 @@
+"""The report of a run: model.json, model.md (a table per model, the summary) and model.png (``write``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .models import MODES
+from .rounds import _spread
+
+
+def _cell(v) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, list):
+        return f"{v[0]:.3f} [{v[1]:.3f}, {v[2]:.3f}]"
+    return str(v)
+
+
+def _in_processes(run: dict) -> str:
+    n = run.get("processes", 1)
+    offsets = ", ".join(map(str, run.get("offsets") or range(n)))
+    return f" in each of {n} processes (first calls and rounds rotated, by offsets {offsets})" if n > 1 else ""
+
+
+def _per_process(row: dict) -> str:
+    """A pooled row's median ratio in each process, to compile where the row timed compile, else to eager ("" for
+    a run in one process)."""
+    base = "compile" if "compile" in row["modes"] else "eager"
+    key = f"vs_{base}_processes"
+    cells = [f"{mode} " + ", ".join(f"{x:.3f}" for x in v[key]) for mode, v in row["modes"].items()
+             if mode != base and v.get(key)]
+    return f"{row['part']} (/ {base}) " + "; ".join(cells) if cells else ""
+
+
+def _vs_copy(row: dict) -> str:
+    """The kernelized model's time over the unkernelized copy's, round by round (median [min, max]), for each mode
+    pair the row timed ("" for none): the A/A-controlled ratio, free of what the benchmark's host model has over any
+    second model in the process."""
+    cells = []
+    for kern, cp in (("kernelized", "copy"), ("kernelized+compile", "copy+compile")):
+        k, c = (row["modes"].get(mo, {}).get("vs_eager_rounds") for mo in (kern, cp))
+        if k and c and len(k) == len(c):
+            cells.append(f"{kern} / {cp} {_cell(_spread([a / b for a, b in zip(k, c)]))}")
+    return f"{row['part']}: " + ", ".join(cells) if cells else ""
+
+
+def to_markdown(result: dict) -> str:
+    m = result["meta"]
+    lines = [f"# Whole models through kernelize on {m['card']}", "",
+             f"{m['date']}, commit {m['commit']}, torch {m['torch']}, triton {m['triton']}, CUDA {m['cuda']}, "
+             f"transformers {m.get('transformers')}, kernels {m.get('kernels')}; {result['rounds']} interleaved "
+             f"rounds of {result['reps']} calls (median per round){_in_processes(result)}, compile backend "
+             f"`{result['backend']}`.", "",
+             "Ratios are the median [min, max] over the rounds of the mode's time divided by eager's (or compile's) "
+             "in the same round: below 1 is faster. First call: wall time of the first call (compilation and the "
+             "fused path's one-time timing included). Graphs: Dynamo graphs made by the first calls (a frame whose "
+             "compiled code a model shares with one compiled before it, such as the frame after a graph break, is "
+             "counted for the first; the count over prefill lengths below compiles each model afresh). Peak: memory "
+             "allocated above the model during one call. Decode in the compile modes: `generate` with a static "
+             "cache, compiling its decoding step (transformers' `CompileConfig`).", ""]
+    if result.get("partial"):
+        lines += ["**Partial:** the run stopped before it finished; the rows below are what it had measured.", ""]
+    for res in result["models"]:
+        lines += [f"## {res['model']} ({res['source']}; {res['layers']} layers, {res['dtype']})", ""]
+        run = res.get("run")
+        if run is not None and ((run["meta"]["commit"], run["rounds"], run.get("processes", 1))
+                                != (m["commit"], result["rounds"], result.get("processes", 1))):
+            lines += [f"Commit {run['meta']['commit']}, {run['meta']['date']}, {run['rounds']} rounds of "
+                      f"{run['reps']} calls{_in_processes(run)}.", ""]
+        lines += ["| part | mode | ms | tokens/s | / eager | / compile | first call s | graphs | peak MiB |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for row in res["rows"]:
+            for mode, v in row["modes"].items():
+                lines.append(f"| {row['part']} | {mode} | {v['ms']} | {v['tokens_per_s']} | {_cell(v['vs_eager'])} "
+                             f"| {_cell(v['vs_compile'])} | {v['first_call_s']} | {_cell(v.get('new_graphs'))} "
+                             f"| {_cell(v['peak_mib'])} |")
+        per_process = [line for line in map(_per_process, res["rows"]) if line]
+        if per_process:
+            lines += ["", "Each process's median ratio (the ratios above pool every process's rounds): "
+                      + "; ".join(per_process) + "."]
+        vs_copy = [line for line in map(_vs_copy, res["rows"]) if line]
+        if vs_copy:
+            lines += ["", "Kernelized against the unkernelized copy in the same rounds: " + "; ".join(vs_copy) + "."]
+        if "graphs" in res:
+            lines += ["", f"Dynamo graphs over prefill lengths {res['graph_lengths']} (backend "
+                      f"`{res['graph_backend']}`): " + ", ".join(f"{k} {v}" for k, v in res["graphs"].items())]
+        if "call_cost" in res:
+            lines += ["", "Compiled decoding step with its work taken out (Dynamo's guards and the frame's argument "
+                      "and output handling; batch 1, static cache), µs per call: "
+                      + ", ".join(f"{mo} {v['us']}" + (f" ({_cell(v['vs_compile'])} of compile)"
+                                                        if mo != "compile" else "")
+                                  for mo, v in res["call_cost"].items())]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def summary_markdown(result: dict) -> str:
+    """One line per model and part: kernelized / eager and kernelized+compile / compile (the README's table); where
+    a run timed the copy modes, their ratios beside them (the A/A control: what two identical models measure)."""
+    control = any(mo.startswith("copy") for res in result["models"] for row in res["rows"] for mo in row["modes"])
+    cols = ["model", "part", "kernelized / eager", "kernelized+compile / compile"]
+    cols += ["copy / eager", "copy+compile / compile"] if control else []
+    cols.append("graphs (compile, kernelized)")
+    lines = ["| " + " | ".join(cols) + " |", "|---" * len(cols) + "|"]
+    for res in result["models"]:
+        g = res.get("graphs", {})
+        graphs = f"{g.get('compile', '–')}, {g.get('kernelized+compile', '–')}" if g else "–"
+        for row in res["rows"]:
+            cells = [row["modes"].get("kernelized", {}).get("vs_eager"),
+                     row["modes"].get("kernelized+compile", {}).get("vs_compile")]
+            if control:
+                cells += [row["modes"].get("copy", {}).get("vs_eager"),
+                          row["modes"].get("copy+compile", {}).get("vs_compile")]
+            lines.append(f"| {res['model']} | {row['part']} | " + " | ".join(map(_cell, cells)) + f" | {graphs} |")
+            graphs = ""
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    """Ratio to eager (median over the rounds) per part and mode, one panel per model; a mode a part was not run in
+    has no bar there. Skipped without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:
+        return
+    models = result["models"]
+    cols = min(len(models), 4)
+    grid = (len(models) + cols - 1) // cols
+    fig, axes = plt.subplots(grid, cols, figsize=(4.5 * cols, 3.6 * grid), squeeze=False)
+    for ax in axes.flat[len(models):]:
+        ax.set_visible(False)
+    for ax, res in zip(axes.flat, models):
+        parts = [row["part"] for row in res["rows"]]
+        modes = [mo for mo in MODES if mo != "eager" and any(mo in row["modes"] for row in res["rows"])]
+        w = 0.8 / max(len(modes), 1)
+        for i, mode in enumerate(modes):
+            vals = [row["modes"][mode]["vs_eager"][0] if mode in row["modes"] else float("nan")
+                    for row in res["rows"]]
+            ax.bar([j + i * w for j in range(len(parts))], vals, w, label=mode, color=f"C{MODES.index(mode)}")
+        ax.axhline(1.0, color="k", lw=0.6)
+        ax.set_xticks([j + 0.4 - w / 2 for j in range(len(parts))], parts, fontsize=8)
+        commit = res.get("run", {}).get("meta", result["meta"])["commit"]
+        ax.set_title(f"{res['model']} (commit {commit})", fontsize=9)
+        ax.set_ylabel("time / eager (lower is faster)", fontsize=8)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"kernelize on {result['meta']['card']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def write(result: dict, out: Path) -> None:
+    """model.json, model.md (the tables and the summary) and model.png in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "model.json").write_text(json.dumps(result, indent=1))
+    (out / "model.md").write_text(to_markdown(result) + "\n## Summary\n\n" + summary_markdown(result))
+    plot(result, out / "model.png")
