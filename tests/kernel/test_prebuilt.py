@@ -334,7 +334,7 @@ for name, cfg in (
                                                      vocab_size=2048, enable_moe_block=True, num_experts=128,
                                                      top_k_experts=8, moe_intermediate_size=704,
                                                      hidden_activation="gelu_pytorch_tanh",
-                                                     layer_types=["sliding_attention", "full_attention"]))):
+                                                     hidden_size_per_layer_input=0, layer_types=["sliding_attention", "full_attention"]))):
     with torch.device("cuda"):
         m = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     kernelize(m.eval(), mode=Mode.INFERENCE, device="cuda")
