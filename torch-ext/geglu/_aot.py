@@ -130,6 +130,7 @@ def info() -> dict:
 _cuda = None
 _arch_of = {}  # device index -> sm number (None: no prebuilt kernels there)
 _loaded = {}  # (entry id, device) -> CUfunction
+_launchers = {}  # (entry id, device) -> run
 
 
 def _driver():
@@ -234,7 +235,11 @@ def find(fn_name: str, args, consts, num_warps: int, num_stages: int, device_ind
     have = sum(1 << i for i, a in enumerate(args) if arg_hint(a))
     for entry in group:
         if entry["hint_mask"] & ~have == 0:
-            return _launcher(entry, _function(entry, device_index, blob))
+            lid = (id(entry), device_index)
+            run = _launchers.get(lid)
+            if run is None:
+                run = _launchers[lid] = _launcher(entry, _function(entry, device_index, blob))
+            return run
     return None
 
 

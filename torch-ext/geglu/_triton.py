@@ -387,6 +387,8 @@ def _spec(a):
         return a % 16 == 0, a == 1, -(2**31) <= a < 2**31, 0 <= a < 2**63
     if isinstance(a, float):
         return float
+    if isinstance(a, _aot.Desc):
+        return a.base.dtype, tuple(a.block)
     return a.dtype, a.data_ptr() % 16 == 0
 
 
@@ -403,12 +405,20 @@ def _hooks_set() -> bool:
     return runtime is None or _hook_active(runtime.launch_enter_hook) or _hook_active(runtime.launch_exit_hook)
 
 
+_PREBUILT = {}  # launch key -> the prebuilt kernel's run, or None (none for that launch)
+
+
 def prebuilt(fn, grid, args, consts, num_warps: int, num_stages: int, device_index: int) -> bool:
     """Launch ``fn``'s prebuilt kernel for these arguments on the current stream; False when this variant has none
-    for the device (the caller then uses Triton's JIT)."""
+    for the device (the caller then uses Triton's JIT). The lookup is remembered per launch key (as `_launch`'s)."""
     if INTERPRET:
         return False
-    run = _aot.find(fn.__name__, args, consts, num_warps, num_stages, device_index)
+    key = (fn, num_warps, num_stages, device_index, consts, _config.current.prebuilt) + tuple(_spec(a) for a in args)
+    run = _PREBUILT.get(key, False)
+    if run is False:
+        run = _aot.find(fn.__name__, args, consts, num_warps, num_stages, device_index)
+        if len(_PREBUILT) < 4096:
+            _PREBUILT[key] = run
     if run is None:
         return False
     run(grid, args, _raw_stream(device_index))
