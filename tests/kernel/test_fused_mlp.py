@@ -421,14 +421,16 @@ def test_inference_follows_the_shipped_rule_without_timing(geglu, fused, fresh_d
 
 
 def test_shipped_rule(mlp, monkeypatch):
-    """The shipped rule for sm_9x: fused from min_m rows where H >= min_h, never on an architecture without a rule;
-    always on CPU tensors (the interpreter)."""
+    """The shipped rule for sm_9x: fused from min_m rows where M * D * H reaches min_work, never on an architecture
+    without a rule; always on CPU tensors (the interpreter)."""
     rule = mlp.FUSED_RULES[9]
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(mlp, "_capability", lambda device: 9)
-    assert mlp.fused_rule(rule["min_m"], 2560, rule["min_h"], cuda)
-    assert not mlp.fused_rule(rule["min_m"] - 1, 2560, rule["min_h"], cuda)
-    assert not mlp.fused_rule(rule["min_m"], 2560, rule["min_h"] - 1, cuda)
+    M = rule["min_m"]
+    H = -(-int(rule["min_work"]) // (M * 2560))
+    assert mlp.fused_rule(M, 2560, H, cuda) and mlp.fused_rule(16384, 2560, 10240, cuda)
+    assert not mlp.fused_rule(M - 1, 2560, 1 << 16, cuda)
+    assert not mlp.fused_rule(M, 2560, H - 1, cuda)
     monkeypatch.setattr(mlp, "_capability", lambda device: 8)
     assert not mlp.fused_rule(1 << 20, 4096, 1 << 16, cuda)
     assert mlp.fused_rule(1, 1, 1, torch.device("cpu"))
@@ -697,7 +699,8 @@ def test_gpu_inference_follows_the_rule_and_captures_in_a_graph(geglu, fresh_dec
     accurate than eager's; at one it does not, eager's bits."""
     mlp = fresh_decisions
     rule = mlp.FUSED_RULES[torch.cuda.get_device_capability()[0]]
-    m, x = _layer(geglu, 1024, rule["min_h"], torch.bfloat16, approximate, M=rule["min_m"])
+    H = -(-int(rule["min_work"]) // (rule["min_m"] * 2560 * 128)) * 128  # the least aligned width the rule fuses
+    m, x = _layer(geglu, 2560, H, torch.bfloat16, approximate, M=rule["min_m"])
     calls = _count(monkeypatch, kt, "gate_up_geglu")
     with torch.no_grad():
         y = m(x)
@@ -718,8 +721,8 @@ def test_gpu_inference_follows_the_rule_and_captures_in_a_graph(geglu, fresh_dec
         assert torch.equal(yg, y)
         small = x[: mlp.DECODE_MAX_M + 1]
         n = len(calls)
-        if not mlp.fused_rule(small.shape[0], 1024, rule["min_h"], small.device):
-            assert torch.equal(m(small), _eager(small, *_weights(m), approximate)) and len(calls) == n
+        assert not mlp.fused_rule(small.shape[0], 2560, H, small.device)
+        assert torch.equal(m(small), _eager(small, *_weights(m), approximate)) and len(calls) == n
 
 
 @pytest.mark.gpu

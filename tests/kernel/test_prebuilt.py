@@ -234,47 +234,56 @@ def test_gpu_prebuilt_kernels_compute_the_jit_kernels_bits(geglu, monkeypatch):
         pytest.skip("this build has no prebuilt kernels for this GPU")
     hits = []
     real_find = aot.find
-    monkeypatch.setattr(aot, "find", lambda *a, **k: hits.append(a[0]) or real_find(*a, **k))
+    def find(*a, **k):
+        run = real_find(*a, **k)
+        if run is not None:
+            hits.append(a[0])
+        return run
+
+    monkeypatch.setattr(aot, "find", find)
     mlp = importlib.import_module(geglu.__name__ + "._mlp")
     kt = importlib.import_module(geglu.__name__ + "._fused_mlp_triton")
     et = importlib.import_module(geglu.__name__ + "._experts_triton")
     tri = importlib.import_module(geglu.__name__ + "._triton")
 
     def both(fn):
-        tri._DIRECT_LAUNCH.clear()
-        with geglu.configure(prebuilt=False):
-            jit = fn()
-        tri._DIRECT_LAUNCH.clear()
-        n = len(hits)
-        pre = fn()
-        torch.cuda.synchronize()
+        """fn's result through the JIT and through the prebuilt kernels (the Triton backend: at every size)."""
+        with geglu.configure(backend="triton"):
+            tri._DIRECT_LAUNCH.clear()
+            tri._PREBUILT.clear()
+            with geglu.configure(prebuilt=False):
+                jit = fn()
+            tri._DIRECT_LAUNCH.clear()
+            tri._PREBUILT.clear()
+            n = len(hits)
+            pre = fn()
+            torch.cuda.synchronize()
         return jit, pre, len(hits) > n
 
     cases = []
-    with geglu.configure(backend="triton"):
-        for dtype in (torch.bfloat16, torch.float16, torch.float32):
-            for shape in ((4096, 2 * 14336), (300, 2 * 2304 + 32)):
-                x = torch.randn(*shape, device="cuda").to(dtype)
-                g, u = x.chunk(2, -1)
-                dy = torch.randn_like(g)
-                gc, uc = g.contiguous(), u.contiguous()
-                for approx in ("none", "tanh"):
-                    cases.append((f"fwd rows {dtype} {shape} {approx}", lambda g=g, u=u, a=approx: geglu.geglu(g, u, a)))
-                    cases.append((f"fwd flat {dtype} {shape} {approx}",
-                                  lambda g=gc, u=uc, a=approx: geglu.geglu(g, u, a)))
-                    cases.append((f"bwd {dtype} {shape} {approx}",
-                                  lambda dy=dy, g=gc, u=uc, a=approx: torch.cat(geglu.geglu_backward(dy, g, u, a))))
-        for M, D in ((1, 2560), (300, 2560), (4096, 256), (8, 20000)):
-            x = torch.randn(M, D, device="cuda", dtype=torch.bfloat16)
-            w = torch.randn(D, device="cuda", dtype=torch.bfloat16) * 0.1
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for shape in ((4096, 2 * 14336), (300, 2 * 2304 + 32)):
+            x = torch.randn(*shape, device="cuda").to(dtype)
+            g, u = x.chunk(2, -1)
+            dy = torch.randn_like(g)
+            gc, uc = g.contiguous(), u.contiguous()
+            for approx in ("none", "tanh"):
+                cases.append((f"fwd rows {dtype} {shape} {approx}", lambda g=g, u=u, a=approx: geglu.geglu(g, u, a)))
+                cases.append((f"fwd flat {dtype} {shape} {approx}",
+                              lambda g=gc, u=uc, a=approx: geglu.geglu(g, u, a)))
+                cases.append((f"bwd {dtype} {shape} {approx}",
+                              lambda dy=dy, g=gc, u=uc, a=approx: torch.cat(geglu.geglu_backward(dy, g, u, a))))
+    for M, D in ((1, 2560), (300, 2560), (4096, 256), (8, 20000)):
+        x = torch.randn(M, D, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(D, device="cuda", dtype=torch.bfloat16) * 0.1
 
-            def norm(x=x, w=w):
-                xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
-                y = geglu.rms_norm(xl, wl)
-                y.backward(torch.ones_like(y))
-                return torch.cat([y.flatten(), xl.grad.flatten(), wl.grad.flatten()])
+        def norm(x=x, w=w):
+            xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+            y = geglu.rms_norm(xl, wl)
+            y.backward(torch.ones_like(y))
+            return torch.cat([y.flatten(), xl.grad.flatten(), wl.grad.flatten()])
 
-            cases.append((f"norm {M}x{D}", norm))
+        cases.append((f"norm {M}x{D}", norm))
     x = torch.randn(1024, 2560, device="cuda", dtype=torch.bfloat16)
     wg, wu = (torch.randn(10240, 2560, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(2))
     for tanh in (False, True):
@@ -324,7 +333,8 @@ build = sys.argv[1]
 os.environ["LOCAL_KERNELS"] = f"{DEFAULT_REPO_ID}={build}"
 register_geglu_kernels(DEFAULT_REPO_ID, revision="local", devices=("cuda",))
 import kernels
-aot = sys.modules[kernels.get_local_kernel(Path(build)).__name__ + "._aot"]
+import importlib
+aot = importlib.import_module(kernels.get_local_kernel(Path(build)).__name__ + "._aot")
 misses = []  # launches the index has no binary for: (kernel, constexprs, types, hints)
 real_find = aot.find
 def find(name, args, consts, warps, stages, dev):

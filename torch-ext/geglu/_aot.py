@@ -202,22 +202,33 @@ def _float_bits(v: float) -> int:
     return b
 
 
+_descs = {}  # (base, shape, strides, box, swizzle, type) -> the encoded CUtensorMap (weights recur every call)
+
+
 def _encode(d: Desc, meta: dict, words, at: int) -> None:
     """Write d's CUtensorMap (16 words) at words[at:]: Triton's tiled encoding (dims innermost first, byte strides
     of the outer dims, the block as the box, unit element strides, 128-byte L2 promotion, zero fill)."""
-    rank = len(d.shape)
-    es = meta["elem_size"]
-    u64x5, u32x5 = ctypes.c_uint64 * 5, ctypes.c_uint32 * 5
-    scratch = (ctypes.c_uint8 * 192)()  # a CUtensorMap is 64-byte aligned
-    aligned = ctypes.addressof(scratch) + (-ctypes.addressof(scratch)) % 64
-    dims = u64x5(*reversed(d.shape))
-    strides = u64x5(*[s * es for s in reversed(d.strides[:-1])])
-    box = u32x5(*reversed(meta["block_size"]))
-    ones = u32x5(1, 1, 1, 1, 1)
-    status = _cuda.cuTensorMapEncodeTiled(aligned, _TMA_HOST_TYPE.get(meta["elem_type"], meta["elem_type"]), rank, d.base.data_ptr(), dims, strides,
-                                          box, ones, 0, meta["swizzle"], 2, 0)
-    _check(status, "cuTensorMapEncodeTiled")
-    ctypes.memmove(ctypes.addressof(words) + 8 * at, aligned, 128)
+    key = (d.base.data_ptr(), tuple(d.shape), tuple(d.strides), tuple(meta["block_size"]), meta["swizzle"],
+           meta["elem_type"])
+    desc = _descs.get(key)
+    if desc is None:
+        rank = len(d.shape)
+        es = meta["elem_size"]
+        u64x5, u32x5 = ctypes.c_uint64 * 5, ctypes.c_uint32 * 5
+        scratch = (ctypes.c_uint8 * 192)()  # a CUtensorMap is 64-byte aligned
+        aligned = ctypes.addressof(scratch) + (-ctypes.addressof(scratch)) % 64
+        dims = u64x5(*reversed(d.shape))
+        strides = u64x5(*[s * es for s in reversed(d.strides[:-1])])
+        box = u32x5(*reversed(meta["block_size"]))
+        ones = u32x5(1, 1, 1, 1, 1)
+        status = _cuda.cuTensorMapEncodeTiled(aligned, _TMA_HOST_TYPE.get(meta["elem_type"], meta["elem_type"]), rank,
+                                              key[0], dims, strides, box, ones, 0, meta["swizzle"], 2, 0)
+        _check(status, "cuTensorMapEncodeTiled")
+        desc = ctypes.string_at(aligned, 128)
+        if len(_descs) >= 4096:
+            _descs.clear()
+        _descs[key] = desc
+    ctypes.memmove(ctypes.addressof(words) + 8 * at, desc, 128)
 
 
 def find(fn_name: str, args, consts, num_warps: int, num_stages: int, device_index: int):

@@ -51,7 +51,7 @@ def eager_forward(experts, gate: Callable, hidden_states: torch.Tensor, top_k_in
 # decode sizes most experts get a row or none, a tile is mostly empty and the block is bound by reading the
 # experts' weights, which both paths do once. Measured ahead of time (`python -m kerneltools.bench.fused_rule`,
 # benchmarks/results/h200/fused-rule.md); nothing is timed at run time.
-FUSED_MIN_ROWS = {9: 4096}
+FUSED_MIN_ROWS = {9: 2048}
 
 
 def fused_rule(rows: int, device: torch.device) -> bool:

@@ -137,10 +137,12 @@ def inference(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, approxima
 
 
 # Where the fused gate/up GEMM beats cuBLAS + the pointwise kernel, decided from the shape alone (nothing is timed
-# at run time): per compute capability major, the fewest rows and the smallest H at which it runs. Measured on an
-# H200 by `python -m kerneltools.bench.fused_rule` (benchmarks/results/h200/fused-rule.md): every shape of the
-# supported models, fused against regular, in interleaved rounds.
-FUSED_RULES = {9: dict(min_m=257, min_h=4096)}
+# at run time): per compute capability major, the fewest rows, and the least GEMM work (M * D * H) at which it
+# runs. Measured by `python -m kerneltools.bench.fused_rule` (benchmarks/results/h200/fused-rule.md): on the GPU
+# the fused path is faster from 1024 rows at every width of the supported models (below that the wide ones lose);
+# launched from Python it costs the host about 90 us more than the regular path, which a call of less work than
+# min_work (~0.1 ms of GEMM) does not hide.
+FUSED_RULES = {9: dict(min_m=1024, min_work=12e9)}
 
 
 def fused_rule(M: int, D: int, H: int, device: torch.device) -> bool:
@@ -149,7 +151,7 @@ def fused_rule(M: int, D: int, H: int, device: torch.device) -> bool:
     if device.type != "cuda":
         return True
     rule = FUSED_RULES.get(_capability(device))
-    return rule is not None and M >= rule["min_m"] and H >= rule["min_h"]
+    return rule is not None and M >= rule["min_m"] and M * D * H >= rule["min_work"]
 
 
 _CAPABILITY: dict = {}
