@@ -521,7 +521,7 @@ def test_gpu_scaled_layer_in_a_cuda_graph(geglu, build_dir):
         g.replay()
         torch.cuda.synchronize()
         results.append(y.clone())
-        assert (("cuda" in {k[1].type for k in geglu._rmsnorm._UNIT_SCALES}) == warm)
+        assert (("cuda" in {k[-1].type for k in geglu._rmsnorm._UNIT_SCALES}) == warm)
     with torch.no_grad():
         assert torch.equal(results[0], ref(x))  # the host's math
         assert torch.equal(results[1], eager)  # the kernel, as outside the graph

@@ -309,14 +309,16 @@ _UNIT_SCALES: dict = {}  # (D, device) -> ones(D) fp32
 
 
 def _unit_scale(x: Tensor):
-    """ones(D) in fp32 on x's device (the scale of a norm without weight), made once; None while a CUDA graph is
-    being captured and it does not exist yet (a tensor made in the capture would belong to the graph's pool)."""
-    key = (x.shape[-1], x.device)
+    """ones(D) in x's dtype on x's device (the scale of a norm without weight: 1 exactly in every float dtype, so
+    the kernels' fp32 scale is 1.0 as from fp32 ones, and the launch is the weighted norm's), made once; None while
+    a CUDA graph is being captured and it does not exist yet (a tensor made in the capture would belong to the
+    graph's pool)."""
+    key = (x.shape[-1], x.dtype, x.device)
     w = _UNIT_SCALES.get(key)
     if w is None:
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             return None
-        w = _UNIT_SCALES[key] = torch.ones(x.shape[-1], dtype=torch.float32, device=x.device)
+        w = _UNIT_SCALES[key] = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
     return w
 
 
