@@ -40,6 +40,9 @@ def add_parser(sub) -> None:
     p.add_argument("--cold-start", action="store_true",
                    help="time a fresh process's first and second calls (prefill, generate, training step), eager "
                         "and kernelized, with an empty Triton cache (writes cold-start.md / .json under --out)")
+    p.add_argument("--cold-modes", default="eager,kernelized,kernelized-jit",
+                   help="--cold-start's modes (default eager,kernelized,kernelized-jit: the kernelized model with "
+                        "GEGLU_PREBUILT=0)")
     _model.add_arguments(p)
     p.set_defaults(_main=main)
 

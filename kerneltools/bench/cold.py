@@ -13,7 +13,8 @@ and counts what Triton compiled: the entries written to the cache folder. Modes:
 ``kernelized-jit`` (the kernelized model with ``GEGLU_PREBUILT=0``: every Triton kernel compiled at first use, as
 without prebuilt kernels). The processes alternate between the modes; each mode runs ``--processes`` times.
 
-    python -m kerneltools bench --cold-start [--model gemma3-4b] [--processes 2] [--out DIR] [--tiny]
+    python -m kerneltools bench --cold-start [--model gemma3-4b] [--processes 2] [--cold-modes eager,kernelized]
+        [--out DIR] [--tiny]
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import meta, median
+from .common import meta
 
 MODES = ("eager", "kernelized", "kernelized-jit")
 PREFILLS = ((8, 2048), (1, 300), (1, 1500))
@@ -157,20 +158,24 @@ def to_markdown(result: dict) -> str:
     lines.append("| kernelize (s) | " + " | ".join(
         cell(md, lambda r: f"{r.get('kernelize_s', 0):.2f}") for md in modes) + " |")
     ratios = []
-    for part in parts:
+    for part in parts:  # process i's kernelized model against process i's eager one (they ran one after the other)
         e = [r["parts"][part]["first_s"] for r in result["runs"] if r["mode"] == "eager"]
         k = [r["parts"][part]["first_s"] for r in result["runs"] if r["mode"] == "kernelized"]
         if e and k:
-            ratios.append(f"{part} {median(k) / median(e):.2f}x ({median(k) - median(e):+.2f} s)")
+            ratios.append(f"{part} " + " / ".join(f"{b / a:.2f}x ({b - a:+.2f} s)" for a, b in zip(e, k)))
     if ratios:
-        lines += ["", "Kernelized first call over eager's (medians): " + "; ".join(ratios) + "."]
+        lines += ["", "Kernelized first call over eager's, per process pair: " + "; ".join(ratios) + "."]
     return "\n".join(lines) + "\n"
 
 
 def main(args) -> int:
     """``kerneltools bench --cold-start``."""
     model = (args.model or ["gemma3-4b"])[0]
-    result = run(args.build_dir, model=model, processes=args.processes if args.processes > 1 else 2,
+    modes = [m.strip() for m in args.cold_modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise SystemExit(f"error: --cold-modes {args.cold_modes!r}: expected some of {','.join(MODES)}")
+    result = run(args.build_dir, model=model, processes=args.processes if args.processes > 1 else 2, modes=modes,
                  tiny=args.tiny, device="cpu" if args.cpu else None)
     md = to_markdown(result)
     print(md)

@@ -12,9 +12,12 @@ from ._ops import HAS_CUDA_LIB, ops
 from .functional import geglu, geglu_backward, geglu_packed, gelu_and_mul, gelu_tanh_and_mul
 from ._rmsnorm import rms_norm
 
-if HAS_CUDA_LIB:  # the compiled variant: import its Triton kernel modules (and Triton) now, not in the first call
+if HAS_CUDA_LIB:  # the compiled variant: import its Triton kernel modules (and Triton) and read the index of its
+    # prebuilt kernels now, when the model loads, not in its first call
     try:
-        from . import _fused_mlp_triton, _rmsnorm_triton, _triton  # noqa: F401
+        from . import _aot, _fused_mlp_triton, _rmsnorm_triton, _triton  # noqa: F401
+
+        _aot.preload()
     except ImportError:  # no Triton: the compiled library and PyTorch's ops serve every call
         pass
 

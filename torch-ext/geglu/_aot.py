@@ -114,6 +114,12 @@ def architectures():
     return sorted(int(n[len(PREFIX):-5]) for n in os.listdir(HERE) if n.startswith(PREFIX) and n.endswith(".json"))
 
 
+def preload() -> None:
+    """Read the index (and the cubins' file) of every shipped architecture, so that the first launch does not."""
+    for arch in architectures():
+        _index(arch)
+
+
 def info() -> dict:
     """What is prebuilt: {'architectures': [...], 'kernels': {arch: count}, 'triton': the compiler's version}."""
     out = {"architectures": architectures(), "kernels": {}, "triton": None}
