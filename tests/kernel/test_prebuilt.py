@@ -390,7 +390,7 @@ print(json.dumps(out))
 def test_gpu_fresh_process_runs_a_kernelized_model_without_compiling(build_dir, tmp_path):
     """A fresh process with an empty Triton cache runs kernelized Gemma 3 (prefill at 300 and 4 x 1024 tokens: the
     fused MLP and the norms; decode sizes; a generate; a training step) and a Gemma 4 MoE model (the fused grouped
-    GEMM from 4096 routed rows, the gates) on the prebuilt kernels: Triton compiles nothing, the cache stays
+    GEMM from 2048 routed rows, the gates) on the prebuilt kernels: Triton compiles nothing, the cache stays
     empty, and no CUDA event is made (nothing is timed to choose a path)."""
     if not (build_dir / "torch-stable-abi210-cu130-x86_64-linux").is_dir() and not any(
             p.name.startswith("torch-stable-abi") for p in build_dir.iterdir()):

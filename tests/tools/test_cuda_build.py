@@ -172,6 +172,46 @@ def test_prebuilt_kernels_in_the_variant(built):
     assert any("prebuilt Triton kernels" in line for line in built.log), built.log
 
 
+def test_prebuilt_sass_uses_the_instructions_the_kernels_are_tuned_for(built):
+    """The shipped machine code itself (Triton's bundled cuobjdump on cubins from the variant's file): the aligned
+    pointwise and in-register norm kernels load 16 bytes per access, the fused and the MoE GEMMs issue wgmma
+    (HGMMA) fed by TMA (UTMALDG), and none of them touches local memory."""
+    import triton
+
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not cuobjdump.is_file():
+        pytest.skip("this Triton has no bundled cuobjdump")
+    index = json.loads((built.variant / "_prebuilt_sm90.json").read_text())["kernels"]
+    blob = (built.variant / "_prebuilt_sm90.cubin").read_bytes()
+    c = lambda e, i: e["consts"][i]  # noqa: E731
+    # kernel -> (instruction, the elements a program's tile covers: 16-byte accesses need 8 bf16 per thread)
+    wanted = {"_geglu_fwd_flat_kernel": ("LDG.E.128", lambda e: c(e, 1)),
+              "_geglu_bwd_flat_kernel": ("LDG.E.128", lambda e: c(e, 1)),
+              "_geglu_fwd_kernel": ("LDG.E.128", lambda e: c(e, 1) * c(e, 2)),
+              "_fwd_kernel": ("LDG.E.128", lambda e: c(e, 0) * c(e, 1)),
+              "_bwd_kernel": ("LDG.E.128", lambda e: c(e, 0) * c(e, 1)),
+              "_paired_gate_up_geglu_kernel": ("HGMMA", None), "_gate_up_geglu_kernel": ("HGMMA", None),
+              "_grouped_geglu_kernel": ("HGMMA", None)}
+    checked = 0
+    for e in index:
+        want, elements = wanted.get(e["fn"], (None, None))
+        aligned = all(e["hints"][:2]) and e["types"][0] == "*bf16" or e["types"][0].startswith("tensordesc<bf16")
+        if want is None or not aligned or e["consts"][:1] == [True] or e["num_warps"] > 8:
+            continue  # one of each: bf16, aligned, the erf flavour; no 16/32-warp norm rows (those spill a little)
+        if elements is not None and elements(e) < 8 * 32 * e["num_warps"]:
+            continue
+        wanted.pop(e["fn"])
+        path = built.out / f"{e['fn']}.cubin"
+        path.write_bytes(zlib.decompress(blob[e["offset"]:e["offset"] + e["size"]]))
+        sass = subprocess.run([str(cuobjdump), "-sass", str(path)], capture_output=True, text=True, check=True).stdout
+        assert want in sass, (e["fn"], e["consts"])
+        if want == "HGMMA":
+            assert "UTMALDG" in sass, e["fn"]
+        assert "STL" not in sass and "LDL" not in sass, (e["fn"], e["consts"], "local memory")
+        checked += 1
+    assert not wanted and checked == 8, wanted
+
+
 def _launches():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("import json, sys; from pathlib import Path; from kerneltools.build import aot; "

@@ -7,10 +7,11 @@ setting            environment variable        meaning
                                                size) or ``"triton"`` (the Triton kernels, CPU tensors too under
                                                ``TRITON_INTERPRET=1``)
 ``fused_mlp``      ``GEGLU_FUSED_MLP``         ``GeGLUMLP`` in inference, and the MoE experts' grouped_mm
-                                               inference from 4096 routed rows, take the fused gate/up GEMM (the
-                                               GeGLU in its epilogue: more accurate than eager, not its bits)
-                                               where a one-time timing per shape on the device says it is faster
-                                               (default on; ``0``: eager's bits everywhere)
+                                               inference, take the fused gate/up GEMM (the GeGLU in its
+                                               epilogue: more accurate than eager, not its bits) where the shipped
+                                               rule for the GPU's architecture says it is faster (``_mlp``,
+                                               ``_experts``: from the shape, nothing timed) (default on; ``0``:
+                                               eager's bits everywhere)
 ``fused_training`` ``GEGLU_FUSED_TRAINING``    ``GeGLUMLP``'s training step takes the fused kernels where the
                                                Gluon backward runs (sm_90): the gate/up GEMM saving gelu(g) and
                                                u·gelu'(g), ``dY @ Wd`` with the dGeGLU's products in its

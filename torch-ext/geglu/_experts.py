@@ -50,7 +50,7 @@ def eager_forward(experts, gate: Callable, hidden_states: torch.Tensor, top_k_in
 # Routed rows (tokens x top-k) from which the fused block runs, per compute capability major (none elsewhere): at
 # decode sizes most experts get a row or none, a tile is mostly empty and the block is bound by reading the
 # experts' weights, which both paths do once. Measured ahead of time (`python -m kerneltools.bench.fused_rule`,
-# benchmarks/results/h200/fused-rule.md); nothing is timed at run time.
+# docs/fused-mlp.md); nothing is timed at run time.
 FUSED_MIN_ROWS = {9: 2048}
 
 

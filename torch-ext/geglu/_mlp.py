@@ -138,7 +138,7 @@ def inference(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, approxima
 
 # Where the fused gate/up GEMM beats cuBLAS + the pointwise kernel, decided from the shape alone (nothing is timed
 # at run time): per compute capability major, the fewest rows, and the least GEMM work (M * D * H) at which it
-# runs. Measured by `python -m kerneltools.bench.fused_rule` (benchmarks/results/h200/fused-rule.md): on the GPU
+# runs. Measured by `python -m kerneltools.bench.fused_rule` (docs/fused-mlp.md, "The shipped rule"): on the GPU
 # the fused path is faster from 1024 rows at every width of the supported models (below that the wide ones lose);
 # launched from Python it costs the host about 90 us more than the regular path, which a call of less work than
 # min_work (~0.1 ms of GEMM) does not hide.

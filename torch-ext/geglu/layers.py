@@ -299,8 +299,8 @@ class GeGLUExperts(nn.Module):
     per-expert loop with the packed kernel as the gate (the host inlines ``act_fn(gate) * up`` there, out of reach
     of ``_apply_gate``); with any other implementation it calls the class's own forward, which dispatches to the
     configured one (whose gate is :class:`GeGLUExpertsGate`). In inference at prefill sizes under the ``fused_mlp``
-    setting, grouped_mm's block takes the fused gate/up grouped GEMM (the GeGLU in its epilogue) where a one-time
-    timing per shape says it is faster (``_experts.fused_forward``)."""
+    setting, grouped_mm's block takes the fused gate/up grouped GEMM (the GeGLU in its epilogue) where the shipped
+    rule says it is faster (``_experts.fused_forward``)."""
 
     can_torch_compile = True
     has_backward = True

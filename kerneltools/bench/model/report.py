@@ -53,8 +53,8 @@ def to_markdown(result: dict) -> str:
              f"rounds of {result['reps']} calls (median per round){_in_processes(result)}, compile backend "
              f"`{result['backend']}`.", "",
              "Ratios are the median [min, max] over the rounds of the mode's time divided by eager's (or compile's) "
-             "in the same round: below 1 is faster. First call: wall time of the first call (compilation and the "
-             "fused path's one-time timing included). Graphs: Dynamo graphs made by the first calls (a frame whose "
+             "in the same round: below 1 is faster. First call: wall time of the first call (compilation included; "
+             "`bench --cold-start` measures a fresh process's). Graphs: Dynamo graphs made by the first calls (a frame whose "
              "compiled code a model shares with one compiled before it, such as the frame after a graph break, is "
              "counted for the first; the count over prefill lengths below compiles each model afresh). Peak: memory "
              "allocated above the model during one call. Decode in the compile modes: `generate` with a static "
