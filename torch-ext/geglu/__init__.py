@@ -5,17 +5,19 @@ a CPU implementation with eager PyTorch's numerics. ``configure`` (or the ``GEGL
 which implementation runs and whether the MLP layer may use its fused kernels.
 """
 
-from . import _sharding, layers  # _sharding: DTensor sharding rules for the ops, where torch.distributed exists
+from . import _aot, _sharding, layers  # _sharding: DTensor sharding rules for the ops, where torch.distributed exists
 from ._backend import get_backend, set_backend
 from ._config import Config, configure, get_config
 from ._ops import HAS_CUDA_LIB, ops
 from .functional import geglu, geglu_backward, geglu_packed, gelu_and_mul, gelu_tanh_and_mul
 from ._rmsnorm import rms_norm
 
+prebuilt_kernels = _aot.info
+
 if HAS_CUDA_LIB:  # the compiled variant: import its Triton kernel modules (and Triton) and read the index of its
     # prebuilt kernels now, when the model loads, not in its first call
     try:
-        from . import _aot, _fused_mlp_triton, _rmsnorm_triton, _triton  # noqa: F401
+        from . import _fused_mlp_triton, _rmsnorm_triton, _triton  # noqa: F401
 
         _aot.preload()
     except ImportError:  # no Triton: the compiled library and PyTorch's ops serve every call
@@ -31,6 +33,7 @@ __all__ = [
     "get_config",
     "Config",
     "rms_norm",
+    "prebuilt_kernels",
     "set_backend",
     "get_backend",
     "HAS_CUDA_LIB",

@@ -121,7 +121,9 @@ def preload() -> None:
 
 
 def info() -> dict:
-    """What is prebuilt: {'architectures': [...], 'kernels': {arch: count}, 'triton': the compiler's version}."""
+    """What this variant ships prebuilt: ``{'architectures': [90], 'kernels': {90: 1098}, 'triton': '3.9.0'}`` (the
+    compute capabilities as XY, the kernels per architecture, the Triton that compiled them); no architectures in a
+    variant without prebuilt kernels (there every Triton kernel is compiled by the JIT at first use)."""
     out = {"architectures": architectures(), "kernels": {}, "triton": None}
     for arch in out["architectures"]:
         with open(os.path.join(HERE, f"{PREFIX}{arch}.json")) as f:

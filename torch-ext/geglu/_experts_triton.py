@@ -67,10 +67,8 @@ def _grouped_geglu_kernel(x_desc, w_desc, out_ptr, tile_expert_ptr, tiles_end_pt
 
 
 # The dense paired kernel's large tile (flattened persistent loop, fast epilogue) where experts average more than
-# 256 rows; with fewer, 64-row tiles waste less of each expert's last tile. Measured at abc91e0 on an H200 (bf16,
-# 128 experts, D 2816, I 704; torch's grouped GEMM alone = 100 %): 131072 rows LARGE 104 %, SMALL_M 96 %; 16384 rows
-# LARGE 115 %, SMALL_M 120 %; 4096 rows LARGE 107 %, SMALL_M 115 %. BLOCK_N 64 (I = 704 is 5.5 tiles of 128), three
-# stages of the narrow tile, BLOCK_K 128 and the unflattened loop were each slower.
+# 256 rows; with fewer, 64-row tiles waste less of each expert's last tile (the measurements behind the choice:
+# docs/development.md, "MoE experts").
 LARGE = Config(128, 128, 64, 1, 8, 3, persistent=True, flatten=True, fast_epi=True, pair=True)
 SMALL_M = LARGE._replace(block_m=64, num_warps=4, num_stages=4)
 INTERPRETER_CFG = INTERPRETER._replace(fast_epi=True, pair=True)
