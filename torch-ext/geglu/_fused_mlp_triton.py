@@ -288,7 +288,7 @@ class Config(NamedTuple):
     tma: bool = True  # use TMA descriptors where the hardware and the strides allow it
     fast_epi: bool = False  # GeGLU of the fp32 accumulators with hardware approximations, rounded once
     pair: bool = False  # forward: one [2 * BLOCK_N, BLOCK_K] weight operand holding both weights' tiles, one dot
-    #                     of N = 2 * BLOCK_N per K step (`paired_gate_up_geglu`), where the weights allow it
+    #                     of N = 2 * BLOCK_N per K step (`_launch_paired`), where the weights allow it
 
     def label(self) -> str:
         s = f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages} g{self.group_m}"
@@ -474,34 +474,6 @@ def pair_layout(w_gate: torch.Tensor, w_up: torch.Tensor) -> Optional[PairLayout
     if delta < extent or delta % 16 or delta >= _TMA_MAX_STRIDE:
         return None
     return PairLayout(base, delta // es, gate_first)
-
-
-def paired_gate_up_geglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, tanh: bool, save: bool,
-                         config: Optional[Config] = None, deriv: bool = False
-                         ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """h = geglu(x @ w_gate^T, x @ w_up^T) (and with ``save`` gu = [g | u] [M, 2H]) by the paired kernel: one TMA
-    box [2, BLOCK_N, BLOCK_K] loads both weights' tiles into one [2 * BLOCK_N, BLOCK_K] operand, through a
-    descriptor that sees the two weights as one strided 3-D tensor (`pair_layout`); no copy. x [M, D] with
-    16-byte aligned rows. Raises ValueError where `pair_layout` says no (`gate_up_geglu` with a `pair` config falls
-    back to the two-dot kernel there instead)."""
-    layout = pair_layout(w_gate, w_up) if tma_supported(x.device) else None
-    if layout is None:
-        raise ValueError("paired_gate_up_geglu needs TMA (sm_90+) and two same-layout, non-overlapping, 16-byte "
-                         "aligned weights less than 2^40 bytes apart (pair_layout); use gate_up_geglu instead, which "
-                         "falls back to the two-dot kernel.")
-    M, N = x.shape[0], w_gate.shape[0]
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    gu = torch.empty((M, 2 * N), dtype=x.dtype, device=x.device) if save else None
-    if M == 0 or N == 0:
-        return out, gu
-    if x.shape[1] == 0:
-        raise ValueError("gate_up_geglu: D = 0 is not supported by the fused kernel.")
-    g_view, u_view = (gu[:, :N], gu[:, N:]) if save else (out, out)
-    if not all(_aligned(t) for t in (x, out, g_view, u_view)):
-        raise ValueError("paired_gate_up_geglu needs x with 16-byte aligned rows and a unit feature stride.")
-    _launch_paired(x, layout, w_gate, out, g_view, u_view, tanh, _save_mode(save, deriv), config or (
-        INTERPRETER if INTERPRET else PAIRED_LARGE))
-    return out, gu
 
 
 def _launch_paired(x, layout: PairLayout, w_gate, out, g_view, u_view, tanh, save, cfg):
