@@ -41,7 +41,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import aot
+from .aot import DEFAULT_ARCHS, build_aot
 from .config import BuildError, KernelConfig, SourceId, fresh_dir, ops_id, ops_py, python_files, write_metadata
 
 KEY_MARKER = b"kerneltools-build-key:"
@@ -502,7 +502,7 @@ def build_compiled(cfg: KernelConfig, out_root: Path, sid: SourceId, capability:
     for p in py_files:
         shutil.copy2(p, variant / p.name)
     (variant / "_ops.py").write_text(ops_py(name, load_library=True))
-    aot.build_aot(cfg, variant, list(aot.DEFAULT_ARCHS) if aot_archs is None else aot_archs, log)
+    build_aot(cfg, variant, list(DEFAULT_ARCHS) if aot_archs is None else aot_archs, log)
     write_metadata(variant, cfg, sid, name, {"type": "cuda", "archs": metadata_archs(caps)})
     log(f"built {variant} in {time.monotonic() - t0:.1f}s")
     return variant
