@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import meta
+from .common import meta, print_and_write
 
 MODES = ("eager", "kernelized", "kernelized-jit")
 PREFILLS = ((8, 2048), (1, 300), (1, 1500))
@@ -177,12 +177,7 @@ def main(args) -> int:
         raise SystemExit(f"error: --cold-modes {args.cold_modes!r}: expected some of {','.join(MODES)}")
     result = run(args.build_dir, model=model, processes=args.processes if args.processes > 1 else 2, modes=modes,
                  tiny=args.tiny, device="cpu" if args.cpu else None)
-    md = to_markdown(result)
-    print(md)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "cold-start.json").write_text(json.dumps(result, indent=1) + "\n")
-        (args.out / "cold-start.md").write_text(md)
+    print_and_write(args.out, "cold-start", result, to_markdown(result))
     return 0
 
 

@@ -114,6 +114,19 @@ def meta(torch) -> dict:
     return out
 
 
+def print_and_write(out, name: str, result: dict, md: str) -> None:
+    """Print a benchmark's markdown report and, with ``out``, write it and its result as ``out/name.md`` /
+    ``out/name.json``."""
+    import json
+
+    print(md)
+    if out:
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+        (out / f"{name}.md").write_text(md)
+
+
 def median(values: list) -> float:
     return sorted(values)[len(values) // 2]
 

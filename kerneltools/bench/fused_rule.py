@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import sys
 from pathlib import Path
 
-from .common import meta, median
+from .common import meta, median, print_and_write
 
 # (model, D, H): the MLP widths of the supported families
 MLP_SHAPES = [("T5 v1.1 base", 768, 2048), ("ModernBERT base", 768, 1152), ("T5 v1.1 large", 1024, 2816),
@@ -171,12 +170,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=11)
     args = p.parse_args(argv)
     result = run(args.build_dir, args.rounds)
-    md = to_markdown(result)
-    print(md)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "fused-rule.json").write_text(json.dumps(result, indent=1) + "\n")
-        (args.out / "fused-rule.md").write_text(md)
+    print_and_write(args.out, "fused-rule", result, to_markdown(result))
     return 0
 
 
