@@ -26,8 +26,8 @@ def _bench(build_dir, tmp_path, *args):
 
 def test_no_extra_graphs_for_any_model(build_dir, tmp_path):
     res, md = _bench(build_dir, tmp_path, "--model", "all", "--parts", "prefill", "--graph-lengths", "16,40,97,300")
-    assert [m["model"] for m in res["models"]] == ["gemma3-4b", "gemma2-2b", "t5-v1.1-base", "modernbert-base",
-                                                  "gemma4-moe"]
+    assert [m["model"] for m in res["models"]] == ["gemma3-4b", "gemma3-12b", "gemma2-2b", "t5-v1.1-base",
+                                                  "t5-v1.1-large", "modernbert-base", "gemma4-moe"]
     for m in res["models"]:
         g = m["graphs"]
         assert 1 <= g["kernelized+compile"] <= g["compile"], (m["model"], g)

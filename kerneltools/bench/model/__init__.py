@@ -4,8 +4,11 @@ Models are built from real transformers configs with random weights (no download
 
 * ``gemma3-4b``: Gemma 3 4B's text model (hidden 2560, intermediate 10240, 8 heads, 4 KV heads, head_dim 256,
   vocab 262208), 16 of its 34 layers;
+* ``gemma3-12b``: Gemma 3 12B's text model (hidden 3840, intermediate 15360, 16 heads, 8 KV heads, head_dim 256),
+  8 of its 48 layers;
 * ``gemma2-2b``: Gemma 2 2B (hidden 2304, intermediate 9216, 26 layers, soft-capping: eager attention);
 * ``t5-v1.1-base``: T5 v1.1 base (d_model 768, d_ff 2048, 12 + 12 layers, gated-gelu), encoder-decoder;
+* ``t5-v1.1-large``: T5 v1.1 large (d_model 1024, d_ff 2816, 24 + 24 layers, 16 heads), encoder-decoder;
 * ``modernbert-base``: ModernBERT base (hidden 768, intermediate 1152, 22 layers), encoder;
 * ``gemma4-moe``: a Gemma 4 MoE text model with google/gemma-4-26B-A4B's hidden size (2816) and experts (128,
   top-8, moe_intermediate_size 704; the dense MLP beside them, attention and vocabulary are Gemma4TextConfig's

@@ -40,6 +40,16 @@ def _gemma3(tiny: bool):
                             query_pre_attn_scalar=256)
 
 
+def _gemma3_12b(tiny: bool):
+    from transformers import Gemma3TextConfig
+
+    if tiny:
+        return _gemma3(True)
+    return Gemma3TextConfig(hidden_size=3840, intermediate_size=15360, num_hidden_layers=8, num_attention_heads=16,
+                            num_key_value_heads=8, head_dim=256, vocab_size=262208, sliding_window=1024,
+                            query_pre_attn_scalar=256)
+
+
 def _gemma2(tiny: bool):
     from transformers import Gemma2Config
 
@@ -59,6 +69,16 @@ def _t5(tiny: bool):
                         vocab_size=256, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
                         decoder_start_token_id=0)
     return T5Config(d_model=768, d_ff=2048, num_layers=12, num_decoder_layers=12, num_heads=12, d_kv=64,
+                    vocab_size=32128, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+                    decoder_start_token_id=0)
+
+
+def _t5_large(tiny: bool):
+    from transformers import T5Config
+
+    if tiny:
+        return _t5(True)
+    return T5Config(d_model=1024, d_ff=2816, num_layers=24, num_decoder_layers=24, num_heads=16, d_kv=64,
                     vocab_size=32128, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
                     decoder_start_token_id=0)
 
@@ -91,10 +111,14 @@ def _gemma4_moe(tiny: bool):
 MODELS = {
     "gemma3-4b": ModelSpec("gemma3-4b", "causal", "AutoModelForCausalLM", _gemma3, (8, 2048), (2, 2048),
                            "google/gemma-3-4b-pt text config, 16 of 34 layers"),
+    "gemma3-12b": ModelSpec("gemma3-12b", "causal", "AutoModelForCausalLM", _gemma3_12b, (8, 2048), (2, 2048),
+                            "google/gemma-3-12b-pt text config (hidden 3840), 8 of 48 layers"),
     "gemma2-2b": ModelSpec("gemma2-2b", "causal", "AutoModelForCausalLM", _gemma2, (8, 2048), (2, 2048),
                            "google/gemma-2-2b config (soft-capping: eager attention)", attn="eager"),
     "t5-v1.1-base": ModelSpec("t5-v1.1-base", "seq2seq", "AutoModelForSeq2SeqLM", _t5, (8, 512), (8, 512),
                               "google/t5-v1_1-base config (decoder: 1 token in prefill, 128 in training)"),
+    "t5-v1.1-large": ModelSpec("t5-v1.1-large", "seq2seq", "AutoModelForSeq2SeqLM", _t5_large, (8, 512), (8, 512),
+                               "google/t5-v1_1-large config (decoder: 1 token in prefill, 128 in training)"),
     "modernbert-base": ModelSpec("modernbert-base", "encoder", "AutoModelForMaskedLM", _modernbert, (8, 1024),
                                  (8, 1024), "answerdotai/ModernBERT-base config"),
     "gemma4-moe": ModelSpec("gemma4-moe", "causal", "AutoModelForCausalLM", _gemma4_moe, (8, 2048), (2, 2048),
