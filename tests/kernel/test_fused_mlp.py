@@ -457,17 +457,27 @@ def test_fused_path_never_runs_when_off_in_training_at_decode_or_through_modules
         restore.__exit__()
 
 
-@pytest.mark.skipif(HAS_CUDA and torch.cuda.get_device_capability()[0] == 9, reason="sm_90: the GPU test covers it")
-def test_fused_training_without_the_gluon_backward_is_the_default_node(geglu, fused, kt, mlp, monkeypatch):
-    """Where the Gluon backward cannot run (this machine), the fused_training setting changes nothing: the node's
-    default computation bit for bit, and the fused kernel never runs."""
+def _fp64_run(fn, x, wg, wu, wd, approximate):
+    return _run(fn, *(t.double() for t in (x, wg, wu, wd)), approximate)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="CPU: the interpreter's fused step (the GPU tests cover sm_90)")
+@pytest.mark.parametrize("approximate", APPROX)
+def test_fused_training_on_cpu_runs_the_fused_forward_no_less_accurate(geglu, fused, kt, mlp, approximate,
+                                                                       monkeypatch):
+    """The fused_training setting under the interpreter: the node's forward is the fused gate/up GEMM saving the
+    backward's two factors (counted), its backward cuBLAS's d_h and the two products (no Gluon on CPU); the output
+    and every gradient no less accurate than eager's against fp64 (the numerics contract: each factor rounded once
+    from fp32, where eager rounds g, u, gelu(g) and the dGeGLU's intermediates). Off, the node is eager's bits."""
     x, wg, wu, wd = _data(40, 32, 48, torch.bfloat16)
-    ref = _run(mlp.GeGLUMLPFunction.apply, x, wg, wu, wd, "tanh")
+    ref = _run(mlp.GeGLUMLPFunction.apply, x, wg, wu, wd, approximate)
     calls = _count(monkeypatch, kt, "gate_up_geglu")
     with geglu.configure(fused_training=True):
-        ours = _run(mlp.GeGLUMLPFunction.apply, x, wg, wu, wd, "tanh")
-    _assert_equal(ours, ref, "fused_training without the Gluon backward")
-    assert not calls
+        ours = _run(mlp.GeGLUMLPFunction.apply, x, wg, wu, wd, approximate)
+    assert len(calls) == 1
+    eager = _run(_eager, x, wg, wu, wd, approximate)
+    _assert_equal(ref, eager, "fused_training off")
+    _assert_no_worse(ours, eager, _fp64_run(_eager, x, wg, wu, wd, approximate), 1.05, f"fused_training {approximate}")
 
 
 # --- the custom ops (torch.compile, tracing, tensor subclasses) ---------------------------------------------------
@@ -538,6 +548,73 @@ def test_opcheck(geglu, mlp):
     dy = torch.randn_like(y)
     for need in ((True, True, True, True), (False, True, False, True), (True, False, False, False)):
         torch.library.opcheck(geglu.ops.geglu_mlp_train_backward.default, (dy, x, wg, wu, wd, g, u, h, "tanh", *need))
+
+
+def test_opcheck_fused_training_ops(geglu, fused):
+    """The fused training ops' schemas (no input written), fakes and autograd formula (opcheck), with the fused
+    kernel running (the interpreter on CPU)."""
+    x, wg, wu, wd = _data(24, 32, 48, torch.bfloat16)
+    leaves = [t.clone().requires_grad_() for t in (x, wg, wu, wd)]
+    torch.library.opcheck(geglu.ops.geglu_mlp_train_fused.default, (*leaves, "tanh"))
+    torch.library.opcheck(geglu.ops.geglu_mlp_train_fused.default, (leaves[0].view(2, 12, 32), *leaves[1:], "none"))
+    y, gu, h = geglu.ops.geglu_mlp_train_fused(x, wg, wu, wd, "tanh")
+    dy = torch.randn_like(y)
+    for need in ((True, True, True, True), (False, True, False, True)):
+        torch.library.opcheck(geglu.ops.geglu_mlp_train_fused_backward.default,
+                              (dy, x, wg, wu, wd, gu, h, "tanh", *need))
+
+
+@pytest.mark.parametrize("approximate", APPROX)
+def test_compiled_fused_training_takes_the_fused_ops_no_less_accurate(geglu, fused, fresh_decisions, kt,
+                                                                      approximate, monkeypatch):
+    """torch.compile(fullgraph=True) with fused_training: the graph calls the fused training op (the decision is
+    the setting and the dtype, no shape guard), the fused kernel runs, and the output equals the eager node's fused
+    step while every gradient is no less accurate than eager's against fp64. Without the setting the graph calls
+    the bit-exact op."""
+    m, x = _layer(geglu, 32, 48, torch.bfloat16, approximate)
+
+    def through(mod):
+        return lambda xx, wg, wu, wd, a: torch.func.functional_call(
+            mod, {"gate_proj.weight": wg, "up_proj.weight": wu, "down_proj.weight": wd}, (xx,))
+
+    torch._dynamo.reset()
+    graphs = []
+    f = torch.compile(m, fullgraph=True, backend=_graphs_backend(graphs))
+    calls = _count(monkeypatch, kt, "gate_up_geglu")
+    with geglu.configure(fused_training=True):
+        ours = _run(through(f), x, *_weights(m), approximate)
+        node = _run(through(m), x, *_weights(m), approximate)
+    assert any(t.endswith("geglu_mlp_train_fused.default") for t in _ops_in(graphs)), _ops_in(graphs)
+    assert len(calls) == 2  # the compiled step's and the eager node's
+    assert torch.equal(ours[0], node[0])
+    eager = _run(_eager, x, *_weights(m), approximate)
+    _assert_no_worse(ours, eager, _fp64_run(_eager, x, *_weights(m), approximate), 1.05, f"compiled {approximate}")
+    torch._dynamo.reset()
+    graphs.clear()
+    _run(through(torch.compile(m, fullgraph=True, backend=_graphs_backend(graphs))), x, *_weights(m), approximate)
+    assert not any("fused" in t for t in _ops_in(graphs)), _ops_in(graphs)
+
+
+def test_compiled_fused_training_with_inductor(geglu, fused, fresh_decisions):
+    """Inductor compiles around the fused training ops (the backward's declared mutation of gu included): the
+    output equals the eager node's fused step, the gradients no less accurate than eager's against fp64."""
+    m, x = _layer(geglu, 32, 48, torch.bfloat16, "tanh")
+    torch._dynamo.reset()
+    f = torch.compile(m, fullgraph=True)
+
+    def step(mod):
+        def fn(xx, wg, wu, wd, a):
+            return torch.func.functional_call(
+                mod, {"gate_proj.weight": wg, "up_proj.weight": wu, "down_proj.weight": wd}, (xx * 2,))
+        return fn
+
+    with geglu.configure(fused_training=True):
+        ours = _run(step(f), x, *_weights(m), "tanh")
+        node = _run(step(m), x, *_weights(m), "tanh")
+    assert torch.equal(ours[0], node[0])
+    eager = _run(step(m), x, *_weights(m), "tanh")
+    ref = _run(lambda xx, wg, wu, wd, a: _eager(xx * 2, wg, wu, wd, a), *(t.double() for t in (x, *_weights(m))), "tanh")
+    _assert_no_worse(ours, eager, ref, 1.05, "inductor fused training")
 
 
 def _python_frames(fn):
@@ -655,6 +732,34 @@ def test_gpu_fused_training_runs_the_gluon_backward_no_less_accurate(geglu, mlp,
     eager = _run(_eager, x, wg, wu, wd, approximate)
     ref32 = _run(_eager, *(t.float() for t in (x, wg, wu, wd)), approximate)
     _assert_no_worse(ours, eager, ref32, 1.02 if M > 1024 else 1.5, f"fused_training {M}x{D}x{H} {approximate}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("approximate", APPROX)
+def test_gpu_compiled_fused_training_runs_the_gluon_backward_no_less_accurate(geglu, mlp, approximate, monkeypatch):
+    """torch.compile (Inductor) of the layer with fused_training on sm_90: the graph's fused training ops run the
+    fused forward and the Gluon backward (counted), writing d_g, d_u into a new buffer (gu is only read); the output
+    and every gradient are no less accurate than eager's against an fp32 reference."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon backward is written for sm_90 (wgmma, TMA)")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ws = importlib.import_module(geglu.__name__ + "._gluon_bwd")
+    calls = _count(monkeypatch, ws, "down_dgeglu_ws")
+    M, D, H = 2048, 2304, 9216
+    m, x = _layer(geglu, D, H, torch.bfloat16, approximate, M=M)
+
+    def through(mod):
+        return lambda xx, wg, wu, wd, a: torch.func.functional_call(
+            mod, {"gate_proj.weight": wg, "up_proj.weight": wu, "down_proj.weight": wd}, (xx,))
+
+    torch._dynamo.reset()
+    f = torch.compile(m, fullgraph=True)
+    with geglu.configure(fused_training=True):
+        ours = _run(through(f), x, *_weights(m), approximate)
+    assert len(calls) == 1
+    eager = _run(_eager, x, *_weights(m), approximate)
+    ref32 = _run(_eager, *(t.float() for t in (x, *_weights(m))), approximate)
+    _assert_no_worse(ours, eager, ref32, 1.02, f"compiled fused_training {approximate}")
 
 
 @pytest.mark.gpu

@@ -13,7 +13,7 @@ d_gate = d_h * (u * gelu'(g)), d_up = d_h * gelu(g), each rounded once.
 Needs Triton's Gluon (triton >= 3.5) and sm_90; imported lazily (``_mlp._gluon_backward``).
 """
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -54,7 +54,7 @@ def _producer(dy_desc, wd_desc, a_bufs, b_bufs, ready, empty, M, N, K,
 
 
 @gluon.jit
-def _consumer(a_bufs, b_bufs, ready, empty, order, dh_bufs, g_ptr, u_ptr, M, N, K, stride_g, stride_u,
+def _consumer(a_bufs, b_bufs, ready, empty, order, dh_bufs, g_ptr, u_ptr, M, N, K, stride_g, stride_u, out_delta,
               WG: gl.constexpr, TANH: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, CHUNK: gl.constexpr,
               K_BETA_TANH: gl.constexpr, K_KAPPA: gl.constexpr, K_ALPHA: gl.constexpr,
@@ -106,12 +106,14 @@ def _consumer(a_bufs, b_bufs, ready, empty, order, dh_bufs, g_ptr, u_ptr, M, N, 
             if LOOP_CHUNKS:  # one copy of the chunk's code (a runtime loop): less for the instruction cache
                 for i in range(NCH):
                     _epi_chunk(dh_bufs.index(WG * NCH + i).load(epi_layout).to(gl.float32), pid_m * BLOCK_M + i * CHUNK,
-                               pid_n * BLOCK_N, g_ptr, u_ptr, M, N, stride_g, stride_u, T, TANH, CHUNK, BLOCK_N,
+                               pid_n * BLOCK_N, g_ptr, u_ptr, M, N, stride_g, stride_u, out_delta, T, TANH, CHUNK,
+                               BLOCK_N,
                                epi_layout, EPI_MODE, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA, FAST, EVEN)
             else:
                 for r in gl.static_range(0, BLOCK_M, CHUNK):
                     _epi_chunk(dh_smem.slice(r, CHUNK, dim=0).load(epi_layout).to(gl.float32), pid_m * BLOCK_M + r,
-                               pid_n * BLOCK_N, g_ptr, u_ptr, M, N, stride_g, stride_u, T, TANH, CHUNK, BLOCK_N,
+                               pid_n * BLOCK_N, g_ptr, u_ptr, M, N, stride_g, stride_u, out_delta, T, TANH, CHUNK,
+                               BLOCK_N,
                                epi_layout, EPI_MODE, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA, FAST, EVEN)
 
 
@@ -137,14 +139,16 @@ def _epi_load(row0, col0, g_ptr, u_ptr, M, N, stride_g, stride_u, CHUNK: gl.cons
 
 
 @gluon.jit
-def _epi_math_store(dh, gv, uv, row0, col0, g_ptr, u_ptr, M, N, stride_g, stride_u, T: gl.constexpr,
+def _epi_math_store(dh, gv, uv, row0, col0, g_ptr, u_ptr, M, N, stride_g, stride_u, out_delta, T: gl.constexpr,
                     TANH: gl.constexpr, CHUNK: gl.constexpr, BLOCK_N: gl.constexpr, epi_layout: gl.constexpr,
                     EPI_MODE: gl.constexpr, K_BETA_TANH: gl.constexpr, K_KAPPA: gl.constexpr, K_ALPHA: gl.constexpr,
                     K_BETA_ERF: gl.constexpr, K_3KAPPA: gl.constexpr, FAST: gl.constexpr, EVEN: gl.constexpr):
-    """d_g, d_u of one chunk from d_h (fp32 of the rounded d_h) and its loaded g, u, written over g, u. FAST (tanh
+    """d_g, d_u of one chunk from d_h (fp32 of the rounded d_h) and its loaded g, u, written over g, u (or
+    ``out_delta`` elements past them: another buffer of their layout). FAST (tanh
     GELU only): fp32 math with the hardware exp2 and reciprocal approximations and one rounding per output, instead
     of eager's operation order and roundings (about half the instructions; not eager's bits, no less accurate)."""
-    g_ptrs, u_ptrs, mask = _epi_ptrs(row0, col0, g_ptr, u_ptr, M, N, stride_g, stride_u, CHUNK, BLOCK_N, epi_layout)
+    g_ptrs, u_ptrs, mask = _epi_ptrs(row0, col0, g_ptr + out_delta, u_ptr + out_delta, M, N, stride_g, stride_u,
+                                     CHUNK, BLOCK_N, epi_layout)
     x = gv.to(gl.float32)
     uf = uv.to(gl.float32)
     if EPI_MODE == 2:
@@ -174,22 +178,25 @@ def _epi_math_store(dh, gv, uv, row0, col0, g_ptr, u_ptr, M, N, stride_g, stride
 
 
 @gluon.jit
-def _epi_chunk(dh, row0, col0, g_ptr, u_ptr, M, N, stride_g, stride_u, T: gl.constexpr, TANH: gl.constexpr,
+def _epi_chunk(dh, row0, col0, g_ptr, u_ptr, M, N, stride_g, stride_u, out_delta, T: gl.constexpr,
+               TANH: gl.constexpr,
                CHUNK: gl.constexpr, BLOCK_N: gl.constexpr, epi_layout: gl.constexpr, EPI_MODE: gl.constexpr,
                K_BETA_TANH: gl.constexpr, K_KAPPA: gl.constexpr, K_ALPHA: gl.constexpr,
                K_BETA_ERF: gl.constexpr, K_3KAPPA: gl.constexpr, FAST: gl.constexpr, EVEN: gl.constexpr):
-    """d_g, d_u of one [CHUNK, BLOCK_N] chunk of d_h (fp32 of the rounded d_h), written over g, u."""
+    """d_g, d_u of one [CHUNK, BLOCK_N] chunk of d_h (fp32 of the rounded d_h), written over g, u (or
+    ``out_delta`` elements past them)."""
     if EPI_MODE == 3:  # the math without the loads
         gv = dh
         uv = dh * 0.5
     else:
         gv, uv = _epi_load(row0, col0, g_ptr, u_ptr, M, N, stride_g, stride_u, CHUNK, BLOCK_N, epi_layout, EVEN)
-    _epi_math_store(dh, gv, uv, row0, col0, g_ptr, u_ptr, M, N, stride_g, stride_u, T, TANH, CHUNK, BLOCK_N,
+    _epi_math_store(dh, gv, uv, row0, col0, g_ptr, u_ptr, M, N, stride_g, stride_u, out_delta, T, TANH, CHUNK,
+                    BLOCK_N,
                     epi_layout, EPI_MODE, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA, FAST, EVEN)
 
 
 @gluon.jit
-def _down_dgeglu_ws_kernel(dy_desc, wd_desc, g_ptr, u_ptr, M, N, K, stride_g, stride_u,
+def _down_dgeglu_ws_kernel(dy_desc, wd_desc, g_ptr, u_ptr, M, N, K, stride_g, stride_u, out_delta,
                            TANH: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, CHUNK: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                            K_BETA_TANH: gl.constexpr, K_KAPPA: gl.constexpr, K_ALPHA: gl.constexpr,
@@ -218,12 +225,12 @@ def _down_dgeglu_ws_kernel(dy_desc, wd_desc, g_ptr, u_ptr, M, N, K, stride_g, st
     for i in gl.static_range(2):
         mbarrier.init(order.index(i), count=1)
     gl.warp_specialize([
-        (_consumer, (a_bufs, b_bufs, ready, empty, order, dh_bufs, g_ptr, u_ptr, M, N, K, stride_g, stride_u, 0, TANH,
-                     BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, CHUNK, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF,
-                     K_3KAPPA, EPI_MODE, LOOP_CHUNKS, FAST, EVEN)),
-        (_consumer, (a_bufs, b_bufs, ready, empty, order, dh_bufs, g_ptr, u_ptr, M, N, K, stride_g, stride_u, 1, TANH,
-                     BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, CHUNK, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF,
-                     K_3KAPPA, EPI_MODE, LOOP_CHUNKS, FAST, EVEN)),
+        (_consumer, (a_bufs, b_bufs, ready, empty, order, dh_bufs, g_ptr, u_ptr, M, N, K, stride_g, stride_u,
+                     out_delta, 0, TANH, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, CHUNK, K_BETA_TANH, K_KAPPA,
+                     K_ALPHA, K_BETA_ERF, K_3KAPPA, EPI_MODE, LOOP_CHUNKS, FAST, EVEN)),
+        (_consumer, (a_bufs, b_bufs, ready, empty, order, dh_bufs, g_ptr, u_ptr, M, N, K, stride_g, stride_u,
+                     out_delta, 1, TANH, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, CHUNK, K_BETA_TANH, K_KAPPA,
+                     K_ALPHA, K_BETA_ERF, K_3KAPPA, EPI_MODE, LOOP_CHUNKS, FAST, EVEN)),
         (_producer, (dy_desc, wd_desc, a_bufs, b_bufs, ready, empty, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
                      GROUP_M)),
     ], [gl.num_warps(), 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -242,9 +249,11 @@ def down_dgeglu_ws(dy: torch.Tensor, w_down: torch.Tensor, g: torch.Tensor, u: t
                    block_m: int = 128, block_n: int = 128, block_k: int = 64, stages: Optional[int] = None, group_m: int = 8,
                    chunk: int = 32, consumer_regs: int = 232, producer_regs: int = 40, num_sms: int = 0,
                    epi_mode: int = 1, loop_chunks: bool = True, consumer_warps: int = 4, fast: bool = False,
-                   deriv: bool = False):
+                   deriv: bool = False, out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None):
     """In place: g, u [M, H] become d_g, d_u for d_h = dy @ w_down (dy [M, D], w_down [D, H]; fp16/bf16, unit
-    last-dim strides, 16-byte aligned rows). Returns the compiled kernel.
+    last-dim strides, 16-byte aligned rows); or, with ``out`` = (d_g, d_u), g and u are read and the gradients
+    written there (a buffer laid out as g, u are: the halves of a tensor like the one g and u are halves of).
+    Returns the compiled kernel.
 
     ``deriv``: g, u hold the forward's [gelu(g) | u * gelu'(g)] (`gate_up_geglu(..., deriv=True)`), and the epilogue
     is two products, d_gate = d_h * (u * gelu'(g)) and d_up = d_h * gelu(g), each rounded once. ``stages`` (the TMA
@@ -263,8 +272,15 @@ def down_dgeglu_ws(dy: torch.Tensor, w_down: torch.Tensor, g: torch.Tensor, u: t
     tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
     sms = num_sms or torch.cuda.get_device_properties(dy.device).multi_processor_count
     grid = (min(sms, tiles), )
+    out_delta = 0
+    if out is not None:  # d_g, d_u into another buffer of g, u's layout: the stores' offset from the loads
+        es = g.element_size()
+        out_delta = (out[0].data_ptr() - g.data_ptr()) // es
+        if (out[0].stride() != g.stride() or out[1].stride() != u.stride()
+                or out[1].data_ptr() - u.data_ptr() != out_delta * es):
+            raise ValueError("down_dgeglu_ws: out must be (d_g, d_u) laid out as g, u are, at one offset from them")
     return _down_dgeglu_ws_kernel[grid](
-        dy_desc, wd_desc, g, u, M, N, K, g.stride(0), u.stride(0), TANH=tanh, STAGES=stages, GROUP_M=group_m,
+        dy_desc, wd_desc, g, u, M, N, K, g.stride(0), u.stride(0), out_delta, TANH=tanh, STAGES=stages, GROUP_M=group_m,
         CHUNK=chunk, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, K_BETA_TANH=K_BETA_TANH,
         K_KAPPA=K_KAPPA, K_ALPHA=K_ALPHA, K_BETA_ERF=K_BETA_ERF, K_3KAPPA=K_3KAPPA, EPI_MODE=2 if deriv else epi_mode,
         LOOP_CHUNKS=loop_chunks,

@@ -107,6 +107,8 @@ def geglu_mlp(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, approxima
         h = (act(gate) if act is not None else F.gelu(gate, approximate=approximate)) * F.linear(x, w_up)
         return F.linear(h, w_down)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w_gate, w_up, w_down)):
+        if traced_fused_training(x):
+            return geglu_mlp_train_fused(x, w_gate, w_up, w_down, approximate)[0]
         return geglu_mlp_train(x, w_gate, w_up, w_down, approximate)[0]
     return geglu_mlp_op(x, w_gate, w_up, w_down, approximate)
 
@@ -226,15 +228,31 @@ def _hooks_active() -> bool:
     return _top_hooks is None or _top_hooks(False) is not None
 
 
-def _fused_training(x2: Tensor):
-    """(fused-MLP kernel module, Gluon backward module) where the ``fused_training`` setting applies to this step,
-    else None."""
-    if not _config.current.fused_training or not fused_kernel_applies(x2):
+def _fused_training(x2: Tensor, setting: Optional[bool] = None):
+    """(fused-MLP kernel module, Gluon backward module) where the fused training step applies to these rows (the
+    ``fused_training`` setting, or ``setting`` where the caller decided it; the fused gate/up kernel; on CUDA the
+    Gluon backward and TMA), else None. CPU tensors under the Triton interpreter (tests) get (module, None): the
+    fused forward, and the backward's products after cuBLAS's d_h."""
+    if not (_config.current.fused_training if setting is None else setting) or not fused_kernel_applies(x2):
         return None
+    if x2.device.type != "cuda":
+        return _kernels(), None
     ws = _gluon_backward(x2.device)
     if ws is None or not _kernels().tma_supported(x2.device):
         return None
     return _kernels(), ws
+
+
+def traced_fused_training(x: Tensor) -> bool:
+    """Under torch.compile (and tracing), whether a training step calls the fused training ops: the
+    ``fused_training`` setting, an fp16/bf16 x, and a device the fused kernels are written for (sm_90; CPU tensors
+    with the backend 'triton', for the interpreter). Decided from the dtype and device only (no shape guard); the
+    op then checks the rows when it runs (`_fused_training`)."""
+    if not _config.current.fused_training or x.dtype not in _LOW:
+        return False
+    if x.device.type == "cuda":
+        return torch.cuda.get_device_properties(x.device).major == 9
+    return x.device.type == "cpu" and _config.current.backend == "triton"
 
 
 class GeGLUMLPFunction(torch.autograd.Function):
@@ -311,17 +329,21 @@ class GeGLUMLPFunction(torch.autograd.Function):
         return dx, dwg, dwu, dwd, None
 
 
-def _fused_backward_dgeglu(kt, ws, dy2: Tensor, w_down: Tensor, g: Tensor, u: Tensor, approximate: str):
+def _fused_backward_dgeglu(kt, ws, dy2: Tensor, w_down: Tensor, g: Tensor, u: Tensor, approximate: str,
+                           out: Optional[Tuple[Tensor, Tensor]] = None):
     """(d_g, d_u) from g, u holding gelu(g) and u * gelu'(g): the Gluon kernel's ``dY @ Wd`` with the two products
-    in its epilogue, written over them (d_g over g, d_u over u); where TMA cannot read dY (unaligned), cuBLAS's d_h
-    and two in-place products (d_g then lives in u's buffer and d_u in g's)."""
+    in its epilogue, written over them (d_g over g, d_u over u) or into ``out`` = (d_g, d_u), laid out as g, u are;
+    where TMA cannot read dY (unaligned) or there is no Gluon kernel (``ws`` None), cuBLAS's d_h and two products
+    (in place, d_g then lives in u's buffer and d_u in g's; or into ``out``)."""
     dy2 = dy2.contiguous()
     w_down = w_down.contiguous()
-    if dy2.shape[0] and all(kt._aligned(t) for t in (dy2, w_down, g, u)):
+    if ws is not None and dy2.shape[0] and all(kt._aligned(t) for t in (dy2, w_down, g, u, *(out or ()))):
         with torch.cuda.device(dy2.device):
-            ws.down_dgeglu_ws(dy2, w_down, g, u, is_tanh(approximate), deriv=True)
-        return g, u
+            ws.down_dgeglu_ws(dy2, w_down, g, u, is_tanh(approximate), deriv=True, out=out)
+        return out if out is not None else (g, u)
     d_h = torch.mm(dy2, w_down)
+    if out is not None:
+        return torch.mul(d_h, u, out=out[0]), torch.mul(d_h, g, out=out[1])
     u.mul_(d_h)  # d_gate = d_h * (u * gelu'(g))
     g.mul_(d_h)  # d_up = d_h * gelu(g)
     return u, g
@@ -336,13 +358,14 @@ def _packed(d_g: Tensor, d_u: Tensor) -> Optional[Tensor]:
     return None
 
 
-def _grads_accumulated(held, x, x2, w_gate, w_up, need_x, need_wg, need_wu):
+def _grads_accumulated(held, x, x2, w_gate, w_up, need_x, need_wg, need_wu, one_gemm: bool = True):
     """(dx, dW_gate, dW_up) from held = [d_g, d_u]: x's two gradient terms summed in the second GEMM's fp32
-    accumulator (addmm_), and the weight gradients as one GEMM with N = 2H where d_g, d_u are the halves of one
-    buffer. Frees d_g after its last GEMM."""
+    accumulator (addmm_), and (``one_gemm``) the weight gradients as one GEMM with N = 2H where d_g, d_u are the
+    halves of one buffer (the two gradients are then views of one tensor: ops, whose outputs must not alias, pass
+    False). Frees d_g after its last GEMM."""
     d_g, d_u = held
     held.clear()
-    gu = _packed(d_g, d_u) if need_wg and need_wu else None
+    gu = _packed(d_g, d_u) if one_gemm and need_wg and need_wu else None
     H = d_g.shape[1]
     dx = dwg = dwu = None
     if need_x:
@@ -480,5 +503,94 @@ def _train_backward(ctx, dy, _dg, _du, _dh):
 geglu_mlp_train.register_autograd(_train_backward, setup_context=_train_setup)
 
 
+# --- the fused training step under torch.compile (the ``fused_training`` setting) --------------------------------
+
+
+@_library.op("geglu_mlp_train_fused")
+def geglu_mlp_train_fused(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
+                          approximate: str) -> Tuple[Tensor, Tensor, Tensor]:
+    """The fused training forward: (y, gu, h) with gu [M, 2H]. Where the fused step applies to these rows
+    (`_fused_training`), the fused gate/up GEMM saves gu = [gelu(g) | u * gelu'(g)] from its fp32 accumulators (the
+    eager node's fused forward); elsewhere gu = [g | u], eager's GEMMs. The backward op makes the same decision
+    from the same rows, so it knows which gu holds."""
+    _check(x, w_gate, w_up, w_down, approximate)
+    x2 = x.reshape(-1, x.shape[-1])
+    if _fused_training(x2, True) is not None:
+        h, gu = _kernels().gate_up_geglu(x2.contiguous(), _unit_last(w_gate), _unit_last(w_up), is_tanh(approximate),
+                                         True, deriv=True)
+    else:
+        g, u = torch.mm(x2, w_gate.t()), torch.mm(x2, w_up.t())
+        h = torch.empty_like(g)
+        _pw._forward_into(h, g, u, approximate, True)
+        gu = torch.cat((g, u), 1)
+    y = torch.mm(h, w_down.t())
+    return y.view(x.shape[:-1] + (w_down.shape[0],)), gu, h
+
+
+@geglu_mlp_train_fused.register_fake
+def _(x, w_gate, w_up, w_down, approximate):
+    _check(x, w_gate, w_up, w_down, approximate)
+    M, H = _rows(x), w_gate.shape[0]
+    return x.new_empty(x.shape[:-1] + (w_down.shape[0],)), x.new_empty((M, 2 * H)), x.new_empty((M, H))
+
+
+@_library.op("geglu_mlp_train_fused_backward")
+def geglu_mlp_train_fused_backward(dy: Tensor, x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, gu: Tensor,
+                                   h: Tensor, approximate: str, need_x: bool, need_wg: bool, need_wu: bool,
+                                   need_wd: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dx, dW_gate, dW_up, dW_down) of the fused training forward (a 0-element tensor for each gradient not
+    needed): the eager node's fused backward (the Gluon ``dY @ Wd`` with the dGeGLU's products in its epilogue, dX
+    summed in the second GEMM), or eager's where the forward was. d_g, d_u go to a new [M, 2H] buffer: gu is only
+    read (an op that wrote over it would make Inductor copy it first)."""
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    x2 = x.reshape(-1, x.shape[-1])
+    H = w_gate.shape[0]
+    dwd = torch.mm(dy2.t(), h) if need_wd else x.new_empty(_EMPTY)
+    g, u = gu[:, :H], gu[:, H:]
+    d_gu = torch.empty_like(gu)
+    out = (d_gu[:, :H], d_gu[:, H:])
+    fused = _fused_training(x2, True)
+    if fused is not None:
+        d_g, d_u = _fused_backward_dgeglu(fused[0], fused[1], dy2, w_down, g, u, approximate, out)
+    else:
+        d_h = torch.mm(dy2, w_down)
+        _pw._backward_into(out[0], out[1], d_h, g, u, approximate)
+        d_g, d_u = out
+    held = [d_g, d_u]
+    del d_g, d_u, g, u, out, d_gu
+    dx, dwg, dwu = _grads_accumulated(held, x, x2, w_gate, w_up, need_x, need_wg, need_wu, one_gemm=False)
+    return tuple(t if need else x.new_empty(_EMPTY) for t, need in ((dx, need_x), (dwg, need_wg), (dwu, need_wu))) + (dwd,)
+
+
+@geglu_mlp_train_fused_backward.register_fake
+def _(dy, x, w_gate, w_up, w_down, gu, h, approximate, need_x, need_wg, need_wu, need_wd):
+    def grad(t, need):
+        return t.new_empty(t.shape) if need else t.new_empty(_EMPTY)
+
+    return grad(x, need_x), grad(w_gate, need_wg), grad(w_up, need_wu), grad(w_down, need_wd)
+
+
+def _train_fused_setup(ctx, inputs, output):
+    x, w_gate, w_up, w_down, approximate = inputs
+    _, gu, h = output
+    ctx.mark_non_differentiable(gu, h)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(x, w_gate, w_up, w_down, gu, h)
+    ctx.approximate = approximate
+
+
+def _train_fused_backward(ctx, dy, _dgu, _dh):
+    if dy is None:
+        return None, None, None, None, None
+    x, w_gate, w_up, w_down, gu, h = ctx.saved_tensors
+    need = ctx.needs_input_grad[:4]
+    grads = geglu_mlp_train_fused_backward(dy.contiguous(), x, w_gate, w_up, w_down, gu, h, ctx.approximate, *need)
+    return tuple(gr if n else None for gr, n in zip(grads, need)) + (None,)
+
+
+geglu_mlp_train_fused.register_autograd(_train_fused_backward, setup_context=_train_fused_setup)
+
+
 __all__ = ["geglu_mlp", "inference", "regular", "fused_rule", "node_applies", "host_bound", "GeGLUMLPFunction",
-           "geglu_mlp_op", "geglu_mlp_train", "geglu_mlp_train_backward", "DECODE_MAX_M"]
+           "geglu_mlp_op", "geglu_mlp_train", "geglu_mlp_train_backward", "geglu_mlp_train_fused",
+           "geglu_mlp_train_fused_backward", "traced_fused_training", "DECODE_MAX_M"]
