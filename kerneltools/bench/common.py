@@ -98,6 +98,9 @@ def git_commit(root: Path = REPO_ROOT) -> str:
         return "unknown"
 
 
+_NOT_SETTINGS = ("GEGLU_BUILD_DIR", "GEGLU_COMMIT", "GEGLU_TEST_SEED")  # where things are, not how the package runs
+
+
 def meta(torch) -> dict:
     """Card, software versions, commit and date: every result file carries them."""
     import triton
@@ -106,6 +109,11 @@ def meta(torch) -> dict:
     out = dict(card=card, torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
                python=platform.python_version(), commit=git_commit(),
                date=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+    # the package's settings from the environment (GEGLU_FUSED_TRAINING=1 and the like): a result measured with a
+    # setting changed must say so
+    settings = {k: v for k, v in sorted(os.environ.items()) if k.startswith("GEGLU_") and k not in _NOT_SETTINGS}
+    if settings:
+        out["settings"] = settings
     for name in ("transformers", "kernels"):
         try:
             out[name] = __import__(name).__version__

@@ -262,6 +262,33 @@ def test_merge_and_partial_reports(tmp_path):
                                                                                    ("m2", "b2")]
 
 
+def test_results_record_the_package_settings_they_ran_with(monkeypatch, tmp_path):
+    """A run with a package setting changed in the environment (GEGLU_FUSED_TRAINING=1) records it in its metadata,
+    and the model report names it for that run, merged or not; where things are (GEGLU_BUILD_DIR, GEGLU_COMMIT) is
+    not a setting."""
+    import torch
+
+    from kerneltools.bench import model as bm
+    from kerneltools.bench.common import meta
+
+    monkeypatch.setenv("GEGLU_BUILD_DIR", "/tmp/b")
+    plain_meta = meta(torch)
+    monkeypatch.setenv("GEGLU_FUSED_TRAINING", "1")
+    set_meta = meta(torch)
+    assert "settings" not in plain_meta and set_meta["settings"] == {"GEGLU_FUSED_TRAINING": "1"}
+    row = dict(part="train", tokens=8, modes={"eager": dict(ms=2.0, tokens_per_s=4000.0, vs_eager=[1.0, 1.0, 1.0],
+                                                             vs_compile=None, first_call_s=0.1, peak_mib=None)})
+    paths = []
+    for name, m in (("m1", plain_meta), ("m2", set_meta)):
+        run = dict(meta=m, device="cuda", rounds=3, reps=2, backend="inductor",
+                   models=[dict(model=name, source="s", kind="causal", dtype="bfloat16", layers=2, rows=[row])])
+        bm.write(run, tmp_path / name)
+        paths.append(tmp_path / name / "model.json")
+    assert "`inductor`, with GEGLU_FUSED_TRAINING=1." in (tmp_path / "m2" / "model.md").read_text()
+    md = bm.to_markdown(bm.merge(paths))
+    assert md.count("GEGLU_FUSED_TRAINING=1") == 1 and "Settings: GEGLU_FUSED_TRAINING=1." in md
+
+
 def test_each_compiled_model_has_its_own_frame_cache():
     """Two models of one class compiled through ``own_code`` keep their compiled frames apart (one cache entry per
     code object, none on the class's shared forward), so neither call evaluates the other model's guards; the

@@ -45,13 +45,19 @@ def _vs_copy(row: dict) -> str:
     return f"{row['part']}: " + ", ".join(cells) if cells else ""
 
 
+def _settings(meta: dict) -> str:
+    """", with GEGLU_X=1" for the package settings a run changed (none: "")."""
+    settings = meta.get("settings") or {}
+    return ", with " + " ".join(f"{k}={v}" for k, v in settings.items()) if settings else ""
+
+
 def to_markdown(result: dict) -> str:
     m = result["meta"]
     lines = [f"# Whole models through kernelize on {m['card']}", "",
              f"{m['date']}, commit {m['commit']}, torch {m['torch']}, triton {m['triton']}, CUDA {m['cuda']}, "
              f"transformers {m.get('transformers')}, kernels {m.get('kernels')}; {result['rounds']} interleaved "
              f"rounds of {result['reps']} calls (median per round){_in_processes(result)}, compile backend "
-             f"`{result['backend']}`.", "",
+             f"`{result['backend']}`{_settings(m)}.", "",
              "Ratios are the median [min, max] over the rounds of the mode's time divided by eager's (or compile's) "
              "in the same round: below 1 is faster. First call: wall time of the first call (compilation included; "
              "`bench --cold-start` measures a fresh process's). Graphs: Dynamo graphs made by the first calls (a frame whose "
@@ -67,7 +73,10 @@ def to_markdown(result: dict) -> str:
         if run is not None and ((run["meta"]["commit"], run["rounds"], run.get("processes", 1))
                                 != (m["commit"], result["rounds"], result.get("processes", 1))):
             lines += [f"Commit {run['meta']['commit']}, {run['meta']['date']}, {run['rounds']} rounds of "
-                      f"{run['reps']} calls{_in_processes(run)}.", ""]
+                      f"{run['reps']} calls{_in_processes(run)}{_settings(run['meta'])}.", ""]
+        elif run is not None and run["meta"].get("settings") != m.get("settings"):
+            named = " ".join(f"{k}={v}" for k, v in (run["meta"].get("settings") or {}).items())
+            lines += [f"Settings: {named or 'the defaults'}.", ""]
         lines += ["| part | mode | ms | tokens/s | / eager | / compile | first call s | graphs | peak MiB |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for row in res["rows"]:
