@@ -12,10 +12,11 @@ setting            environment variable        meaning
                                                rule for the GPU's architecture says it is faster (``_mlp``,
                                                ``_experts``: from the shape, nothing timed) (default on; ``0``:
                                                eager's bits everywhere)
-``fused_training`` ``GEGLU_FUSED_TRAINING``    ``GeGLUMLP``'s training step takes the fused kernels where the
-                                               Gluon backward runs (sm_90): the gate/up GEMM saving gelu(g) and
-                                               u·gelu'(g), ``dY @ Wd`` with the dGeGLU's products in its
-                                               epilogue, dx summed in one GEMM (default off: eager's bits)
+``fused_training`` ``GEGLU_FUSED_TRAINING``    ``GeGLUMLP``'s training step, eager or under torch.compile, takes
+                                               the fused kernels where the Gluon backward runs (sm_90): the
+                                               gate/up GEMM saving gelu(g) and u·gelu'(g), ``dY @ Wd`` with the
+                                               dGeGLU's products in its epilogue, dx summed in one GEMM (default
+                                               off: eager's bits)
 ``cuda_plan``      ``GEGLU_CUDA_PLAN``         the compiled library's launch plan, for tuning on a new GPU
                                                and for tests: ``""`` (default) the built-in choice per size,
                                                ``"<threads>,<unroll>"`` one tile per block (threads 32..256, a

@@ -30,8 +30,10 @@ The training node:
   ``dY @ Wd`` is the Gluon kernel whose epilogue multiplies d_h by them, and dx is summed inside the second GEMM
   (``addmm_``), dW_gate and dW_up as one GEMM of N = 2H. Not eager's bits; more accurate against fp32.
 
-Under torch.compile the training op is the default node's computation (eager's bits; the fused training kernels are
-for eager mode).
+Under torch.compile a training step calls ``geglu_mlp_train`` (the default node's computation: eager's bits) or,
+with the ``fused_training`` setting, an fp16/bf16 x on sm_90 (or CPU tensors under the interpreter), the fused
+ops ``geglu_mlp_train_fused`` / ``geglu_mlp_train_fused_backward``: the fused node's kernels, the backward writing
+d_g, d_u to a new buffer (an op that wrote over its saved input would make Inductor copy it first).
 """
 
 from typing import Optional, Tuple
