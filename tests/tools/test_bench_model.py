@@ -289,6 +289,27 @@ def test_results_record_the_package_settings_they_ran_with(monkeypatch, tmp_path
     assert md.count("GEGLU_FUSED_TRAINING=1") == 1 and "Settings: GEGLU_FUSED_TRAINING=1." in md
 
 
+def test_profile_categories_and_gpu_time_report():
+    """Kernel names as the H200 profile lists them land in their categories: cuDNN's attention (named ..._sm90_...
+    like a GEMM), Inductor's kernels that name our op among the ops they fuse (a norm, not ours), our kernels and
+    cuBLAS's; a row's profile is reported as GPU time by category with the GPU-time ratios."""
+    from kerneltools.bench.model.profiling import _category
+    from kerneltools.bench.model.report import _gpu_time
+
+    assert _category("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x256") == "attention"
+    assert _category("triton_red_fused__to_copy__unsafe_view_add_geglu_mlp_mean_mul_pow_rsqrt_11") == \
+        "reduction / norm"
+    assert _category("triton_poi_fused__unsafe_view_gelu_mul_8") == "pointwise"
+    assert _category("_paired_gate_up_geglu_kernel") == "geglu (ours)"
+    assert _category("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT") == "gemm"
+    prof = {mode: dict(gpu_ms=ms, idle_ms=1.0, categories={"gemm": ms - 1, "pointwise": 1.0}, top=[])
+            for mode, ms in (("eager", 150.0), ("compile", 100.0), ("kernelized+compile", 95.0))}
+    lines = _gpu_time(dict(part="prefill", profile=prof))
+    assert "| compile | 100.0 | 1.0 | gemm 99.0, pointwise 1.0 |" in lines
+    assert lines[-1] == "GPU time: kernelized+compile / compile 0.950."
+    assert _gpu_time(dict(part="prefill")) == []
+
+
 def test_each_compiled_model_has_its_own_frame_cache():
     """Two models of one class compiled through ``own_code`` keep their compiled frames apart (one cache entry per
     code object, none on the class's shared forward), so neither call evaluates the other model's guards; the

@@ -91,6 +91,8 @@ def to_markdown(result: dict) -> str:
         vs_copy = [line for line in map(_vs_copy, res["rows"]) if line]
         if vs_copy:
             lines += ["", "Kernelized against the unkernelized copy in the same rounds: " + "; ".join(vs_copy) + "."]
+        for row in res["rows"]:
+            lines += _gpu_time(row)
         if "graphs" in res:
             lines += ["", f"Dynamo graphs over prefill lengths {res['graph_lengths']} (backend "
                       f"`{res['graph_backend']}`): " + ", ".join(f"{k} {v}" for k, v in res["graphs"].items())]
@@ -102,6 +104,25 @@ def to_markdown(result: dict) -> str:
                                   for mo, v in res["call_cost"].items())]
         lines.append("")
     return "\n".join(lines)
+
+
+def _gpu_time(row: dict) -> list:
+    """A row's ``--profile``: each mode's GPU time for one call by kernel category, its idle time (the GPU waiting
+    for the host), and the GPU-time ratios that the wall-time ratios above mix with host time."""
+    prof = row.get("profile")
+    if not prof:
+        return []
+    lines = ["", f"{row['part']}, GPU time of one call (torch.profiler), ms:", "",
+             "| mode | GPU | idle | by kernel category |", "|---|---|---|---|"]
+    for mode, p in prof.items():
+        cats = ", ".join(f"{c} {t}" for c, t in sorted(p["categories"].items(), key=lambda kv: -kv[1]))
+        lines.append(f"| {mode} | {p['gpu_ms']} | {p['idle_ms']} | {cats} |")
+    ratios = [f"{mode} / {base} {prof[mode]['gpu_ms'] / prof[base]['gpu_ms']:.3f}"
+              for mode, base in (("kernelized", "eager"), ("kernelized+compile", "compile"))
+              if mode in prof and base in prof and prof[base]["gpu_ms"]]
+    if ratios:
+        lines += ["", "GPU time: " + ", ".join(ratios) + "."]
+    return lines
 
 
 def summary_markdown(result: dict) -> str:
