@@ -94,7 +94,8 @@ class GeGLUMLP(nn.Module):
     gate/up GEMM (the GeGLU in its epilogue: more accurate than eager, not its bits) where it measures faster on the
     device (setting ``fused_mlp``, ``GEGLU_FUSED_MLP=0`` turns it off); under torch.compile both are custom ops, with
     every shape-dependent choice made when they run. ``GEGLU_FUSED_TRAINING=1`` (setting ``fused_training``) gives
-    the training step the fused kernels where the Gluon backward runs (sm_90): not eager's bits, more accurate.
+    the training step, eager or compiled, the fused kernels where the Gluon backward runs (sm_90): not eager's bits,
+    more accurate.
     """
 
     can_torch_compile = True
