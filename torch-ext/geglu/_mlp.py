@@ -476,33 +476,45 @@ def geglu_mlp_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, w_up: Tensor
     return dx, dwg, dwu, dwd
 
 
-@geglu_mlp_train_backward.register_fake
-def _(dy, x, w_gate, w_up, w_down, g, u, h, approximate, need_x, need_wg, need_wu, need_wd):
+def _fake_grads(x, w_gate, w_up, w_down, need_x, need_wg, need_wu, need_wd):
+    """The training backward ops' fake result: each gradient asked for like its input, a 0-element tensor for the
+    others."""
     def grad(t, need):
         return t.new_empty(t.shape) if need else t.new_empty(_EMPTY)
 
     return grad(x, need_x), grad(w_gate, need_wg), grad(w_up, need_wu), grad(w_down, need_wd)
 
 
+@geglu_mlp_train_backward.register_fake
+def _(dy, x, w_gate, w_up, w_down, g, u, h, approximate, *need):
+    return _fake_grads(x, w_gate, w_up, w_down, *need)
+
+
 def _train_setup(ctx, inputs, output):
+    """Both training ops' autograd setup: output is (y, *activations), the activations saved after the inputs."""
     x, w_gate, w_up, w_down, approximate = inputs
-    _, g, u, h = output
-    ctx.mark_non_differentiable(g, u, h)
+    acts = output[1:]
+    ctx.mark_non_differentiable(*acts)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(x, w_gate, w_up, w_down, g, u, h)
+    ctx.save_for_backward(x, w_gate, w_up, w_down, *acts)
     ctx.approximate = approximate
 
 
-def _train_backward(ctx, dy, _dg, _du, _dh):
-    if dy is None:
-        return None, None, None, None, None
-    x, w_gate, w_up, w_down, g, u, h = ctx.saved_tensors
-    need = ctx.needs_input_grad[:4]
-    grads = geglu_mlp_train_backward(dy.contiguous(), x, w_gate, w_up, w_down, g, u, h, ctx.approximate, *need)
-    return tuple(gr if n else None for gr, n in zip(grads, need)) + (None,)
+def _train_backward_with(backward_op):
+    """A training op's autograd formula: ``backward_op(dy, x, w_gate, w_up, w_down, *activations, approximate,
+    *needs)`` on what `_train_setup` saved."""
+    def backward(ctx, dy, *_activation_grads):
+        if dy is None:
+            return None, None, None, None, None
+        x, w_gate, w_up, w_down, *acts = ctx.saved_tensors
+        need = ctx.needs_input_grad[:4]
+        grads = backward_op(dy.contiguous(), x, w_gate, w_up, w_down, *acts, ctx.approximate, *need)
+        return tuple(gr if n else None for gr, n in zip(grads, need)) + (None,)
+
+    return backward
 
 
-geglu_mlp_train.register_autograd(_train_backward, setup_context=_train_setup)
+geglu_mlp_train.register_autograd(_train_backward_with(geglu_mlp_train_backward), setup_context=_train_setup)
 
 
 # --- the fused training step under torch.compile (the ``fused_training`` setting) --------------------------------
@@ -561,36 +573,17 @@ def geglu_mlp_train_fused_backward(dy: Tensor, x: Tensor, w_gate: Tensor, w_up: 
     held = [d_g, d_u]
     del d_g, d_u, g, u, out, d_gu
     dx, dwg, dwu = _grads_accumulated(held, x, x2, w_gate, w_up, need_x, need_wg, need_wu, one_gemm=False)
-    return tuple(t if need else x.new_empty(_EMPTY) for t, need in ((dx, need_x), (dwg, need_wg), (dwu, need_wu))) + (dwd,)
+    return tuple(t if need else x.new_empty(_EMPTY)
+                 for t, need in ((dx, need_x), (dwg, need_wg), (dwu, need_wu))) + (dwd,)
 
 
 @geglu_mlp_train_fused_backward.register_fake
-def _(dy, x, w_gate, w_up, w_down, gu, h, approximate, need_x, need_wg, need_wu, need_wd):
-    def grad(t, need):
-        return t.new_empty(t.shape) if need else t.new_empty(_EMPTY)
-
-    return grad(x, need_x), grad(w_gate, need_wg), grad(w_up, need_wu), grad(w_down, need_wd)
+def _(dy, x, w_gate, w_up, w_down, gu, h, approximate, *need):
+    return _fake_grads(x, w_gate, w_up, w_down, *need)
 
 
-def _train_fused_setup(ctx, inputs, output):
-    x, w_gate, w_up, w_down, approximate = inputs
-    _, gu, h = output
-    ctx.mark_non_differentiable(gu, h)
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(x, w_gate, w_up, w_down, gu, h)
-    ctx.approximate = approximate
-
-
-def _train_fused_backward(ctx, dy, _dgu, _dh):
-    if dy is None:
-        return None, None, None, None, None
-    x, w_gate, w_up, w_down, gu, h = ctx.saved_tensors
-    need = ctx.needs_input_grad[:4]
-    grads = geglu_mlp_train_fused_backward(dy.contiguous(), x, w_gate, w_up, w_down, gu, h, ctx.approximate, *need)
-    return tuple(gr if n else None for gr, n in zip(grads, need)) + (None,)
-
-
-geglu_mlp_train_fused.register_autograd(_train_fused_backward, setup_context=_train_fused_setup)
+geglu_mlp_train_fused.register_autograd(_train_backward_with(geglu_mlp_train_fused_backward),
+                                       setup_context=_train_setup)
 
 
 __all__ = ["geglu_mlp", "inference", "regular", "fused_rule", "node_applies", "host_bound", "GeGLUMLPFunction",
