@@ -494,6 +494,14 @@ def _ops_in(graphs):
     return {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
 
 
+def _through(mod, scale=None):
+    """fn(x, wg, wu, wd, approximate) for `_run`: ``mod`` called on x (or ``x * scale``) with the three weights in
+    place of its own (its approximate is its act_fn's)."""
+    return lambda xx, wg, wu, wd, a: torch.func.functional_call(
+        mod, {"gate_proj.weight": wg, "up_proj.weight": wu, "down_proj.weight": wd},
+        (xx if scale is None else xx * scale,))
+
+
 @pytest.mark.parametrize("approximate", APPROX)
 def test_compiled_layer_runs_the_ops_fullgraph_with_eager_modes_results(geglu, fused, fresh_decisions, approximate):
     """torch.compile(fullgraph=True) of the layer: its graph calls the inference op (no gradient) and the training
@@ -509,14 +517,10 @@ def test_compiled_layer_runs_the_ops_fullgraph_with_eager_modes_results(geglu, f
     ns = geglu.ops._name if hasattr(geglu.ops, "_name") else None
     assert any(t.endswith("geglu_mlp.default") for t in _ops_in(graphs)), _ops_in(graphs)
 
-    def through(mod):
-        return lambda xx, wg, wu, wd, a: torch.func.functional_call(
-            mod, {"gate_proj.weight": wg, "up_proj.weight": wu, "down_proj.weight": wd}, (xx,))
-
     graphs.clear()
-    ours = _run(through(f), x, *_weights(m), approximate)
+    ours = _run(_through(f), x, *_weights(m), approximate)
     assert any(t.endswith("geglu_mlp_train.default") for t in _ops_in(graphs)), _ops_in(graphs)
-    ref = _run(through(m), x, *_weights(m), approximate)
+    ref = _run(_through(m), x, *_weights(m), approximate)
     _assert_equal(ours, ref, f"compiled training {approximate}")
     assert ns is None or ns
 
@@ -573,17 +577,13 @@ def test_compiled_fused_training_takes_the_fused_ops_no_less_accurate(geglu, fus
     the bit-exact op."""
     m, x = _layer(geglu, 32, 48, torch.bfloat16, approximate)
 
-    def through(mod):
-        return lambda xx, wg, wu, wd, a: torch.func.functional_call(
-            mod, {"gate_proj.weight": wg, "up_proj.weight": wu, "down_proj.weight": wd}, (xx,))
-
     torch._dynamo.reset()
     graphs = []
     f = torch.compile(m, fullgraph=True, backend=_graphs_backend(graphs))
     calls = _count(monkeypatch, kt, "gate_up_geglu")
     with geglu.configure(fused_training=True):
-        ours = _run(through(f), x, *_weights(m), approximate)
-        node = _run(through(m), x, *_weights(m), approximate)
+        ours = _run(_through(f), x, *_weights(m), approximate)
+        node = _run(_through(m), x, *_weights(m), approximate)
     assert any(t.endswith("geglu_mlp_train_fused.default") for t in _ops_in(graphs)), _ops_in(graphs)
     assert len(calls) == 2  # the compiled step's and the eager node's
     assert torch.equal(ours[0], node[0])
@@ -591,29 +591,24 @@ def test_compiled_fused_training_takes_the_fused_ops_no_less_accurate(geglu, fus
     _assert_no_worse(ours, eager, _fp64_run(_eager, x, *_weights(m), approximate), 1.05, f"compiled {approximate}")
     torch._dynamo.reset()
     graphs.clear()
-    _run(through(torch.compile(m, fullgraph=True, backend=_graphs_backend(graphs))), x, *_weights(m), approximate)
+    plain = torch.compile(m, fullgraph=True, backend=_graphs_backend(graphs))
+    _run(_through(plain), x, *_weights(m), approximate)
     assert not any("fused" in t for t in _ops_in(graphs)), _ops_in(graphs)
 
 
 def test_compiled_fused_training_with_inductor(geglu, fused, fresh_decisions):
-    """Inductor compiles around the fused training ops (the backward's declared mutation of gu included): the
-    output equals the eager node's fused step, the gradients no less accurate than eager's against fp64."""
+    """Inductor compiles around the fused training ops (the backward only reads gu): the output equals the eager
+    node's fused step, the gradients no less accurate than eager's against fp64."""
     m, x = _layer(geglu, 32, 48, torch.bfloat16, "tanh")
     torch._dynamo.reset()
     f = torch.compile(m, fullgraph=True)
 
-    def step(mod):
-        def fn(xx, wg, wu, wd, a):
-            return torch.func.functional_call(
-                mod, {"gate_proj.weight": wg, "up_proj.weight": wu, "down_proj.weight": wd}, (xx * 2,))
-        return fn
-
     with geglu.configure(fused_training=True):
-        ours = _run(step(f), x, *_weights(m), "tanh")
-        node = _run(step(m), x, *_weights(m), "tanh")
+        ours = _run(_through(f, 2), x, *_weights(m), "tanh")
+        node = _run(_through(m, 2), x, *_weights(m), "tanh")
     assert torch.equal(ours[0], node[0])
-    eager = _run(step(m), x, *_weights(m), "tanh")
-    ref = _run(lambda xx, wg, wu, wd, a: _eager(xx * 2, wg, wu, wd, a), *(t.double() for t in (x, *_weights(m))), "tanh")
+    eager = _run(_through(m, 2), x, *_weights(m), "tanh")
+    ref = _fp64_run(lambda xx, wg, wu, wd, a: _eager(xx * 2, wg, wu, wd, a), x, *_weights(m), "tanh")
     _assert_no_worse(ours, eager, ref, 1.05, "inductor fused training")
 
 
@@ -748,14 +743,10 @@ def test_gpu_compiled_fused_training_runs_the_gluon_backward_no_less_accurate(ge
     M, D, H = 2048, 2304, 9216
     m, x = _layer(geglu, D, H, torch.bfloat16, approximate, M=M)
 
-    def through(mod):
-        return lambda xx, wg, wu, wd, a: torch.func.functional_call(
-            mod, {"gate_proj.weight": wg, "up_proj.weight": wu, "down_proj.weight": wd}, (xx,))
-
     torch._dynamo.reset()
     f = torch.compile(m, fullgraph=True)
     with geglu.configure(fused_training=True):
-        ours = _run(through(f), x, *_weights(m), approximate)
+        ours = _run(_through(f), x, *_weights(m), approximate)
     assert len(calls) == 1
     eager = _run(_eager, x, *_weights(m), approximate)
     ref32 = _run(_eager, *(t.float() for t in (x, *_weights(m))), approximate)
