@@ -15,15 +15,15 @@ from .rounds import (_as_mode, _ids, _kernelize_for, _mode_model, _model_key, _r
 KERNEL_CATEGORIES = (  # (category, substrings of the CUDA kernel name), first match wins
     # Inductor's generated kernels first: their names list the ops fused into them, ours among them
     # ("triton_red_fused_..._geglu_mlp_..." is a norm beside our op)
-    ("reduction / norm", ("triton_red_", "triton_per_")),
-    ("pointwise", ("triton_poi_",)),
+    ("reduction / norm", ("triton_red", "triton_per")),
+    ("pointwise", ("triton_poi",)),
     ("geglu (ours)", ("geglu", "gate_up", "down_dgeglu")),
     # before gemm: cuDNN's attention kernels are named ..._sdpa_sm90_flash_fprop_wgmma_...
     ("attention", ("flash", "fmha", "attention", "sdpa", "efficient")),
     ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "sm80_", "matmul", "mm_")),
     ("optimizer", ("adam", "foreach", "multi_tensor", "fused_adam")),
     ("softmax / loss", ("softmax", "cross_entropy", "nll", "log_softmax")),
-    ("reduction / norm", ("reduce", "norm", "triton_red", "triton_per", "mean", "sum")),
+    ("reduction / norm", ("reduce", "norm", "mean", "sum")),
     ("copy / cast", ("copy", "cat", "memcpy", "memset", "fill", "index", "gather", "scatter", "embedding")),
     ("pointwise", ("elementwise", "vectorized", "unrolled", "triton_poi", "gelu", "mul", "add", "tanh", "pow",
                    "rsqrt", "where", "neg")),

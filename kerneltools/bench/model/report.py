@@ -45,10 +45,15 @@ def _vs_copy(row: dict) -> str:
     return f"{row['part']}: " + ", ".join(cells) if cells else ""
 
 
+def _named_settings(meta: dict) -> str:
+    """"GEGLU_X=1 GEGLU_Y=0" for the package settings a run changed ("" for none)."""
+    return " ".join(f"{k}={v}" for k, v in (meta.get("settings") or {}).items())
+
+
 def _settings(meta: dict) -> str:
     """", with GEGLU_X=1" for the package settings a run changed (none: "")."""
-    settings = meta.get("settings") or {}
-    return ", with " + " ".join(f"{k}={v}" for k, v in settings.items()) if settings else ""
+    named = _named_settings(meta)
+    return f", with {named}" if named else ""
 
 
 def to_markdown(result: dict) -> str:
@@ -75,8 +80,7 @@ def to_markdown(result: dict) -> str:
             lines += [f"Commit {run['meta']['commit']}, {run['meta']['date']}, {run['rounds']} rounds of "
                       f"{run['reps']} calls{_in_processes(run)}{_settings(run['meta'])}.", ""]
         elif run is not None and run["meta"].get("settings") != m.get("settings"):
-            named = " ".join(f"{k}={v}" for k, v in (run["meta"].get("settings") or {}).items())
-            lines += [f"Settings: {named or 'the defaults'}.", ""]
+            lines += [f"Settings: {_named_settings(run['meta']) or 'the defaults'}.", ""]
         lines += ["| part | mode | ms | tokens/s | / eager | / compile | first call s | graphs | peak MiB |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for row in res["rows"]:
