@@ -25,7 +25,7 @@ KERNEL_CATEGORIES = (  # (category, substrings of the CUDA kernel name), first m
     ("softmax / loss", ("softmax", "cross_entropy", "nll", "log_softmax")),
     ("reduction / norm", ("reduce", "norm", "mean", "sum")),
     ("copy / cast", ("copy", "cat", "memcpy", "memset", "fill", "index", "gather", "scatter", "embedding")),
-    ("pointwise", ("elementwise", "vectorized", "unrolled", "triton_poi", "gelu", "mul", "add", "tanh", "pow",
+    ("pointwise", ("elementwise", "vectorized", "unrolled", "gelu", "mul", "add", "tanh", "pow",
                    "rsqrt", "where", "neg")),
 )
 
