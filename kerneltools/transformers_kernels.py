@@ -31,7 +31,8 @@ GEMMs, becomes a call of a gate layer (:class:`ExpertsGate`, the layer kernels m
 forward (the dispatch) for every other implementation. docs/transformers.md says why.
 
 With ``norms=True`` (the default) the same is done for the Gemma RMSNorm classes of :data:`NORM_CLASSES` (layer
-``GemmaRMSNorm``, and ``Gemma3nRMSNorm`` for Gemma 3n / Gemma 4's form; docs/rmsnorm.md).
+``GemmaRMSNorm``, and ``Gemma3nRMSNorm`` for Gemma 3n / Gemma 4's form; docs/rmsnorm.md), and with ``rope=True``
+(the default) for the Gemma rotary embeddings of :data:`ROPE_CLASSES`, which change only compiled models.
 
 The keys are ``"geglu.<Layer>"``, not the bare layer names: transformers' own default mapping, which
 ``from_pretrained(use_kernels=True)`` and ``set_use_kernels`` register again on every call, has a ``"GeGLUMLP"``
@@ -245,8 +246,47 @@ NORM_CLASSES: tuple[HostClass, ...] = (
 )
 
 
+# --- the rotary embedding ----------------------------------------------------------------------------------------
+# Gemma-family classes whose forward computes ``cos, sin`` of ``position_ids[..., None].float() * inv_freq`` (twice
+# over the last dimension) times ``attention_scaling``, op for op (a test compares their source): layer
+# RotaryEmbedding for ``forward(x, position_ids)``, LayerTypeRotaryEmbedding for ``forward(x, position_ids,
+# layer_type)``. The layers change nothing in eager mode; under torch.compile their cos and sin come from one op,
+# which Inductor reads instead of recomputing them in every attention layer (torch-ext/geglu/_rope.py).
+
+
+def _r(model, name, layer="RotaryEmbedding", note=""):
+    return HostClass(model, name, layer, SUPPORTED, "", note)
+
+
+_TYPED = "LayerTypeRotaryEmbedding"
+ROPE_CLASSES: tuple[HostClass, ...] = (
+    _r("gemma", "GemmaRotaryEmbedding"),
+    _r("gemma2", "Gemma2RotaryEmbedding"),
+    _r("gemma3", "Gemma3RotaryEmbedding", _TYPED, note="a table per attention type (sliding, full)"),
+    _r("gemma3n", "Gemma3nRotaryEmbedding", _TYPED),
+    _r("gemma4", "Gemma4TextRotaryEmbedding", _TYPED),
+    _r("gemma4_unified", "Gemma4UnifiedTextRotaryEmbedding", _TYPED),
+    _r("t5gemma", "T5GemmaRotaryEmbedding"),
+    _r("t5gemma2", "T5Gemma2RotaryEmbedding", _TYPED),
+    _r("vaultgemma", "VaultGemmaRotaryEmbedding"),
+    _r("embedding_gemma2", "EmbeddingGemma2RotaryEmbedding", _TYPED),
+    _r("diffusion_gemma", "DiffusionGemmaTextRotaryEmbedding", _TYPED),
+)
+# rope types whose inv_freq the host's forward changes as it runs (transformers' dynamic_rope_update): those
+# modules keep their own forward
+_DYNAMIC_ROPE = frozenset({"dynamic", "longrope"})
+
+
+def _rope_condition(module) -> bool:
+    """A rotary embedding the layer computes: static rope types only (dynamic and longrope tables change with the
+    positions, inside the host's forward), and a forward nobody else has replaced."""
+    rope_type = getattr(module, "rope_type", None)
+    types_ = rope_type.values() if isinstance(rope_type, dict) else [rope_type]
+    return all(isinstance(t, str) and t not in _DYNAMIC_ROPE for t in types_) and not _forward_taken(module)
+
+
 # the hub layers' class names: a forward that kernelize put there (any mode) is ours to replace again
-_OUR_LAYERS = frozenset({h.layer for h in GEGLU_CLASSES + NORM_CLASSES if h.layer}
+_OUR_LAYERS = frozenset({h.layer for h in GEGLU_CLASSES + NORM_CLASSES + ROPE_CLASSES if h.layer}
                         | {h.gate_layer for h in GEGLU_CLASSES if h.gate_layer})
 
 
@@ -380,7 +420,7 @@ def _repository(repo_id: str, layer: str, *, version, revision, lockfile, trust_
 def register_geglu_kernels(repo_id: str = DEFAULT_REPO_ID, *, version: int | None = 1, revision: str | None = None,
                            lockfile: str | Path | None = None, trust_remote_code: bool = False,
                            devices: Sequence[str] = ("cuda", "cpu"), register: bool = True,
-                           norms: bool = True) -> GeGLURegistration:
+                           norms: bool = True, rope: bool = True) -> GeGLURegistration:
     """Make ``kernels.kernelize`` replace the forward of every supported transformers GeGLU class with the
     GeGLU hub kernel's layer.
 
@@ -399,6 +439,10 @@ def register_geglu_kernels(repo_id: str = DEFAULT_REPO_ID, *, version: int | Non
         norms: also map the Gemma RMSNorm classes of :data:`NORM_CLASSES` to the layers ``GemmaRMSNorm`` and
             ``Gemma3nRMSNorm`` (the default). On CUDA the fused norm is within one ulp of eager's output, not bit-exact
             (docs/rmsnorm.md); ``norms=False`` keeps the hosts' own norms, for bit-exact models.
+        rope: also map the Gemma rotary embeddings of :data:`ROPE_CLASSES` to the layers ``RotaryEmbedding`` and
+            ``LayerTypeRotaryEmbedding`` (the default): the host's forward in eager mode; under torch.compile one op
+            computes the positions' cos and sin (eager's bits) instead of Inductor recomputing them in every
+            attention layer.
 
     Every mode is mapped: Mode.INFERENCE, Mode.TRAINING, Mode.INFERENCE | Mode.TORCH_COMPILE and
     Mode.TRAINING | Mode.TORCH_COMPILE (the layers have a backward and compile with ``fullgraph=True``).
@@ -429,6 +473,7 @@ def register_geglu_kernels(repo_id: str = DEFAULT_REPO_ID, *, version: int | Non
     hosts = [(h, _gelu_condition(h.act_attr) if h.act_attr else None) for h in GEGLU_CLASSES]
     hosts += [(h, _scaled_norm_condition if h.layer == "Gemma3nRMSNorm" else _norm_condition)
               for h in NORM_CLASSES] if norms else []
+    hosts += [(h, _rope_condition) for h in ROPE_CLASSES] if rope else []
     for host, condition in hosts:
         if host.layer is None:
             continue
@@ -516,9 +561,13 @@ def classes_markdown() -> str:
     for h in NORM_CLASSES:
         layer = f"`{h.layer}`" if h.layer else "–"
         lines.append(f"| {h.model} | `{h.name}` | {h.status} | {layer} | {h.note} |")
+    lines += ["", "Gemma rotary embeddings (mapped unless `register_geglu_kernels(rope=False)`; eager keeps their forward, "
+              "torch.compile gets cos and sin from one op):", "", "| model | class | hub layer | notes |", "|---|---|---|---|"]
+    for h in ROPE_CLASSES:
+        lines.append(f"| {h.model} | `{h.name}` | `{h.layer}` | {h.note} |")
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["register_geglu_kernels", "geglu_kernel_config", "GEGLU_CLASSES", "NORM_CLASSES", "HostClass",
-           "GeGLURegistration", "is_kernel_gelu", "classes_markdown", "experts_gate", "ExpertsGate", "DEFAULT_REPO_ID",
+__all__ = ["register_geglu_kernels", "geglu_kernel_config", "GEGLU_CLASSES", "NORM_CLASSES", "ROPE_CLASSES",
+           "HostClass", "GeGLURegistration", "is_kernel_gelu", "classes_markdown", "experts_gate", "ExpertsGate", "DEFAULT_REPO_ID",
            "KEY_PREFIX"]

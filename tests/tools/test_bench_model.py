@@ -200,7 +200,7 @@ def _compiled(build_dir) -> dict:
 def test_compiled_graph_is_the_hosts_but_for_the_fused_mlp(build_dir):
     """Under torch.compile a kernelized model traces to the host's graph op for op and in its order, except that
     each Gemma MLP (GeGLUMLP over plain projections) is one fused-MLP op of ours in place of its projections and
-    GeGLU: the pointwise layers (T5, ModernBERT) and the norms run the host's math there, which Inductor fuses. (In
+    GeGLU, and the rotary embedding's cos and sin one op per table: the pointwise layers (T5, ModernBERT) and the norms run the host's math there, which Inductor fuses. (In
     a fresh process: building the models registers the kernel mapping and points LOCAL_KERNELS at the build.)"""
     import collections
 
@@ -210,11 +210,16 @@ def test_compiled_graph_is_the_hosts_but_for_the_fused_mlp(build_dir):
             assert res[name]["kernelized"]["ops"] == res[name]["eager"]["ops"], name
             continue
         host, ours = collections.Counter(res[name]["eager"]["ops"]), collections.Counter(res[name]["kernelized"]["ops"])
-        mine = {op: n for op, n in ours.items() if ".geglu" in op}
+        mine = {op.split(".")[-2]: n for op, n in ours.items() if "_geglu_" in op}  # ns.name.default
         mlps = res[name]["layers"]
-        assert list(mine.values()) == [mlps] and next(iter(mine)).endswith("geglu_mlp.default"), mine
-        # each MLP's three projections and its GeGLU (gelu, mul) are what the op replaced
-        assert sum((host - ours).values()) == 5 * mlps and not set(ours - host) - set(mine), (host - ours, ours - host)
+        ropes = mine.pop("rope_cos_sin", 0)
+        assert mine == {"geglu_mlp": mlps} and ropes >= 1, (mine, ropes)
+        # each MLP's three projections and its GeGLU (gelu, mul) are what the MLP op replaced; each rotary table's
+        # position product, cat and two scalings (cos and sin are methods, not functions) what the RoPE op replaced,
+        # whose pair of outputs adds a getitem
+        added = set(ours - host) - {op for op in ours if "_geglu_" in op}
+        assert sum((host - ours).values()) == 5 * mlps + 4 * ropes and added == {"<built-in function getitem>"}, \
+            (host - ours, ours - host)
 
 
 def test_layers_add_no_python_guard_per_module_under_compile(build_dir):

@@ -14,6 +14,7 @@ from . import _experts, _mlp
 from ._activations import gelu_approximation
 from ._rmsnorm import host_forward as _gemma_norm_host, layer_forward as _gemma_norm
 from ._rmsnorm import scaled_host_forward as _scaled_norm_host, scaled_layer_forward as _scaled_norm
+from ._rope import rope_cos_sin as _rope_cos_sin
 from .functional import geglu, geglu_packed
 
 
@@ -373,6 +374,42 @@ class Gemma3nRMSNorm(nn.Module):
         return _scaled_norm(x, weight, self.eps)
 
 
+def _rotary(module, x: torch.Tensor, position_ids: torch.Tensor, prefix: str):
+    """Under torch.compile: the rotary embedding's cos and sin from one op (``_rope.rope_cos_sin``)."""
+    inv_freq = getattr(module, prefix + "inv_freq")
+    scaling = getattr(module, prefix + "attention_scaling")
+    return _rope_cos_sin(position_ids.to(x.device), inv_freq, float(scaling), x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Replaces the Gemma models' rotary embedding ``forward(x, position_ids)`` returning ``cos, sin`` of the
+    positions times ``inv_freq`` (the classes of transformers_kernels.ROPE_CLASSES). Eager runs the host's own
+    forward. Under torch.compile one op (``_rope.rope_cos_sin``: the host's formula, eager's bits) computes them, and
+    Inductor reads them from memory instead of recomputing them inside every attention layer's q/k norm + RoPE
+    kernel (``_rope``'s docstring has the measurement). Positions need no gradient."""
+
+    can_torch_compile = True
+    has_backward = True
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
+        if not _is_compiling():
+            return type(self).forward(self, x, position_ids)  # the host's forward
+        return _rotary(self, x, position_ids, "")
+
+
+class LayerTypeRotaryEmbedding(nn.Module):
+    """:class:`RotaryEmbedding` for the hosts with one frequency table per attention type (Gemma 3, 3n, 4:
+    ``forward(x, position_ids, layer_type)``, buffers ``<layer_type>_inv_freq``)."""
+
+    can_torch_compile = True
+    has_backward = True
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, layer_type):
+        if not _is_compiling():
+            return type(self).forward(self, x, position_ids, layer_type)  # the host's forward
+        return _rotary(self, x, position_ids, f"{layer_type}_")
+
+
 __all__ = [
     "GeluAndMul",
     "GeluTanhAndMul",
@@ -389,4 +426,6 @@ __all__ = [
     "GeGLUExperts",
     "GemmaRMSNorm",
     "Gemma3nRMSNorm",
+    "RotaryEmbedding",
+    "LayerTypeRotaryEmbedding",
 ]
