@@ -68,6 +68,7 @@ APPROX_ON_CPU = GELU_NEW | STRIDED_ERF | {"gemma4_moe_erf"}
 SUPPORTED_ROWS = [h for h in GEGLU_CLASSES if h.status != NOT_SUPPORTED]
 NORM_ROWS = [h for h in NORM_CLASSES if h.status != NOT_SUPPORTED]  # registered too (norms=True, the default)
 ROPE_ROWS = list(ROPE_CLASSES)  # registered too (rope=True, the default)
+REGISTERED_ROWS = SUPPORTED_ROWS + NORM_ROWS + ROPE_ROWS
 
 
 def _run_workers(env: dict, out_dir: Path) -> dict:
@@ -156,8 +157,8 @@ def test_docs_list_every_class_with_its_status():
 def test_every_supported_class_is_registered_and_has_a_layer(reports):
     full = reports["full"]
     assert full["skipped"] == [], "supported classes missing from the installed transformers"
-    assert full["registered"] == sorted(f"{h.module}.{h.name}" for h in SUPPORTED_ROWS + NORM_ROWS + ROPE_ROWS)
-    assert {h.layer for h in SUPPORTED_ROWS + NORM_ROWS + ROPE_ROWS} | {h.gate_layer for h in SUPPORTED_ROWS if h.gate_layer} \
+    assert full["registered"] == sorted(f"{h.module}.{h.name}" for h in REGISTERED_ROWS)
+    assert {h.layer for h in REGISTERED_ROWS} | {h.gate_layer for h in SUPPORTED_ROWS if h.gate_layer} \
         <= set(full["layers"])
     checked = {W.host_name(k) for k in (*W.MODULES, *W.EXPERTS_MODULES)}
     assert {h.name for h in SUPPORTED_ROWS} == checked, "a class without a module check"
@@ -166,7 +167,7 @@ def test_every_supported_class_is_registered_and_has_a_layer(reports):
 
 def test_mapping_covers_every_mode_on_cuda_and_cpu_with_one_repository_per_layer(reports):
     mapping = reports["full"]["mapping"]
-    layers = {h.layer for h in SUPPORTED_ROWS + NORM_ROWS + ROPE_ROWS} | {h.gate_layer for h in SUPPORTED_ROWS if h.gate_layer}
+    layers = {h.layer for h in REGISTERED_ROWS} | {h.gate_layer for h in SUPPORTED_ROWS if h.gate_layer}
     assert set(mapping["keys"]) == {KEY_PREFIX + layer for layer in layers}
     modes = {"Mode.INFERENCE", "Mode.TRAINING", "Mode.INFERENCE|TORCH_COMPILE", "Mode.TRAINING|TORCH_COMPILE"}
     for key, devices in mapping["keys"].items():

@@ -16,7 +16,6 @@ from __future__ import annotations
 import ast
 import copy
 import importlib
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,22 +28,11 @@ from kerneltools.transformers_kernels import (  # noqa: E402
     KEY_PREFIX, NORM_CLASSES, NOT_SUPPORTED, register_geglu_kernels)
 from tests.kernel._rmsnorm_reference import Calls, assert_bwd_bound, assert_fwd_bound, data, seed_of  # noqa: E402
 from tests.kernel._rmsnorm_reference import norm_impl  # noqa: E402, F401  (the fixture)
+from toolhelpers import class_methods, methods_of  # noqa: E402
 
 RTOL = 1e-5  # observed worst case under the interpreter: logits 3.7e-7, loss 9.8e-8, gradients 1.6e-6
 SUPPORTED = [h for h in NORM_CLASSES if h.status != NOT_SUPPORTED]
 GROUPED = {"Qwen4ExpTextRMSNorm"}  # Gemma's forward when group_size is None (the registration's condition)
-
-
-def _methods(tree: ast.ClassDef) -> dict:
-    return {n.name: ast.dump(n, annotate_fields=False) for n in tree.body if isinstance(n, ast.FunctionDef)}
-
-
-def _class_methods(cls) -> dict:
-    import inspect
-
-    src = inspect.getsource(sys.modules[cls.__module__])
-    node = next(n for n in ast.parse(src).body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
-    return _methods(node)
 
 
 # each layer's host class, and a text that every file defining a class with that forward contains
@@ -56,7 +44,7 @@ SCALED = "Gemma3nRMSNorm"  # the layer of Gemma 3n's form: scale w, offset 0, op
 
 def _form_methods(layer: str) -> dict:
     module, name, _ = FORMS[layer]
-    m = _class_methods(getattr(importlib.import_module(module), name))
+    m = class_methods(getattr(importlib.import_module(module), name))
     return {k: m[k] for k in ("__init__", "forward", "_norm") if k in m and (k != "__init__" or layer == SCALED)}
 
 
@@ -65,7 +53,7 @@ def test_the_table_is_every_class_with_a_layers_forward():
     for h in NORM_CLASSES:
         cls = h.load()
         assert cls is not None, f"{h.module}.{h.name} is missing from transformers {transformers.__version__}"
-        m = _class_methods(cls)
+        m = class_methods(cls)
         same = {layer: {k: m.get(k) == v for k, v in ref.items()} for layer, ref in refs.items()}
         if h.status == NOT_SUPPORTED:
             assert not any(all(v.values()) for v in same.values()), f"{h.name} has a layer's forward: support it"
@@ -82,7 +70,7 @@ def test_the_table_is_every_class_with_a_layers_forward():
                 continue
             for node in ast.parse(text).body:
                 if isinstance(node, ast.ClassDef):
-                    m = _methods(node)
+                    m = methods_of(node)
                     if all(m.get(k) == v for k, v in ref.items()):
                         found.add(node.name)
         assert found == {h.name for h in SUPPORTED if h.layer == layer} - GROUPED, layer

@@ -321,3 +321,20 @@ def error(fn, *args, **kwargs):
         return f"{type(e).__name__}: {e}"
     return None
 """
+
+
+def methods_of(node) -> dict:
+    """The methods of a class's AST node, each as ``ast.dump`` (no field names): equal dumps, the same code."""
+    import ast
+
+    return {n.name: ast.dump(n, annotate_fields=False) for n in node.body if isinstance(n, ast.FunctionDef)}
+
+
+def class_methods(cls) -> dict:
+    """:func:`methods_of` the class ``cls`` as its module's source defines it (decorators do not hide it)."""
+    import ast
+    import inspect
+
+    src = inspect.getsource(sys.modules[cls.__module__])
+    node = next(n for n in ast.parse(src).body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
+    return methods_of(node)
