@@ -12,39 +12,31 @@ LayerTypeRotaryEmbedding of a local build of this checkout.
 
 from __future__ import annotations
 
-import ast
 import copy
 import importlib
-import inspect
-import sys
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 transformers = pytest.importorskip("transformers")
 from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping  # noqa: E402
 
 from kerneltools.transformers_kernels import KEY_PREFIX, ROPE_CLASSES, register_geglu_kernels  # noqa: E402
+from toolhelpers import class_methods  # noqa: E402
 
 # each layer's host form: the class whose forward every class of the layer has
 FORMS = {"RotaryEmbedding": ("transformers.models.gemma2.modeling_gemma2", "Gemma2RotaryEmbedding"),
          "LayerTypeRotaryEmbedding": ("transformers.models.gemma3.modeling_gemma3", "Gemma3RotaryEmbedding")}
 
 
-def _forward_ast(cls) -> str:
-    src = inspect.getsource(sys.modules[cls.__module__])
-    node = next(n for n in ast.parse(src).body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
-    fwd = next(n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == "forward")
-    return ast.dump(fwd, annotate_fields=False)
-
-
 def test_every_class_has_its_layers_host_forward():
-    refs = {layer: _forward_ast(getattr(importlib.import_module(m), n)) for layer, (m, n) in FORMS.items()}
+    refs = {layer: class_methods(getattr(importlib.import_module(m), n))["forward"] for layer, (m, n) in FORMS.items()}
     assert refs["RotaryEmbedding"] != refs["LayerTypeRotaryEmbedding"]
     for h in ROPE_CLASSES:
         cls = h.load()
         assert cls is not None, f"{h.module}.{h.name} is missing from transformers {transformers.__version__}"
-        assert _forward_ast(cls) == refs[h.layer], f"{h.name}'s forward differs from {FORMS[h.layer][1]}'s"
+        assert class_methods(cls)["forward"] == refs[h.layer], f"{h.name}'s forward differs from {FORMS[h.layer][1]}'s"
 
 
 def test_registration_maps_every_class_unless_rope_is_off():
@@ -82,6 +74,18 @@ def _cos_sin(model, positions, x):
     return {t: rot(x, positions) if t is None else rot(x, positions, t) for t in types_}
 
 
+class _OpsCalled(TorchDispatchMode):
+    """The names of the operators called inside the block."""
+
+    def __enter__(self):
+        self.ops = []
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 def _ours(module) -> bool:
     """Whether kernelize bound one of our rotary layers' forward to ``module``."""
     fwd = module.__dict__.get("forward")
@@ -101,7 +105,9 @@ def test_eager_runs_the_hosts_forward_and_compile_the_op(build_dir, family, dtyp
     positions = torch.randint(0, 4096, (3, 17), generator=g)
     x = torch.randn(3, 17, 64, dtype=dtype, generator=g)
     want = _cos_sin(host, positions, x)
-    got = _cos_sin(kern, positions, x)
+    with _OpsCalled() as called:
+        got = _cos_sin(kern, positions, x)
+    assert called.ops and not any("rope_cos_sin" in op for op in called.ops), called.ops  # the host's own ops
     for t in want:
         assert all(torch.equal(a, b) and a.dtype == dtype for a, b in zip(got[t], want[t])), t
 
