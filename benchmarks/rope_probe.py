@@ -1,5 +1,7 @@
-"""Probe: does Inductor recompute RoPE's cos/sin inside every layer's q/k norm + RoPE kernel of a compiled Gemma 3
-prefill, and what does computing them once (an opaque op, so Inductor reads them from memory) save?
+"""Probe: what the rotary embedding layers (cos and sin from one op under torch.compile, which Inductor reads instead of
+recomputing them inside every layer's q/k norm + RoPE kernel) save in a compiled Gemma 3 prefill, alone and with the
+other kernelized layers: the compiled host, the host with only our rotary layer, the kernelized model with the
+host's rotary forward, and the kernelized model.
 
 python3 benchmarks/rope_probe.py --build-dir build   (an H200; prints GPU time by kernel per compiled variant)
 """
@@ -14,29 +16,14 @@ from pathlib import Path
 import torch
 
 
-@torch.library.custom_op("probe::rope_cos_sin", mutates_args=())
-def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
-                 like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    freqs = position_ids[..., None].float() * inv_freq.to(device=like.device, dtype=torch.float)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return (emb.cos() * scaling).to(like.dtype), (emb.sin() * scaling).to(like.dtype)
-
-
-@rope_cos_sin.register_fake
-def _(position_ids, inv_freq, scaling, like):
-    shape = (*position_ids.shape, 2 * inv_freq.shape[0])
-    return like.new_empty(shape), like.new_empty(shape)
-
-
-def opaque_rope(model):
+def bind_rotary(model, forward) -> None:
+    """Give ``model``'s rotary embedding the forward ``forward`` (a kernelized one's: our layer), as kernelize does;
+    None restores the host's own."""
     rot = model.model.rotary_emb
-
-    def forward(self, x, position_ids, layer_type=None):
-        inv = getattr(self, f"{layer_type}_inv_freq")
-        scale = getattr(self, f"{layer_type}_attention_scaling")
-        return torch.ops.probe.rope_cos_sin(position_ids, inv, float(scale), x)
-
-    rot.forward = types.MethodType(forward, rot)
+    if forward is None:
+        rot.__dict__.pop("forward", None)
+    else:
+        rot.forward = types.MethodType(forward, rot)
 
 
 def sync():
@@ -79,11 +66,15 @@ def main():
     s = build_models(spec, Path(args.build_dir), dev, torch.bfloat16, args.cpu, "inductor", DEFAULT_REPO_ID)
     eager, kern = s.models["eager"], s.models["kernelized"]
     kernelize(kern, mode=Mode.INFERENCE | Mode.TORCH_COMPILE, device=dev)
-    host_rope, kern_rope = copy.deepcopy(eager), copy.deepcopy(kern)
-    opaque_rope(host_rope)
-    opaque_rope(kern_rope)
-    variants = {"compile": eager, "compile+opaque-rope": host_rope, "kernelized+compile": kern,
-                "kernelized+compile+opaque-rope": kern_rope}
+    ours = kern.model.rotary_emb.forward.__func__  # the layer kernelize bound
+    if ours.__qualname__.rpartition(".")[0] not in ("RotaryEmbedding", "LayerTypeRotaryEmbedding"):
+        raise SystemExit(f"error: the kernelized model's rotary embedding runs {ours.__qualname__}, not our layer: "
+                         "rebuild with this checkout (python -m kerneltools build) and pass its --build-dir")
+    host_rope, kern_no_rope = copy.deepcopy(eager), copy.deepcopy(kern)
+    bind_rotary(host_rope, ours)
+    bind_rotary(kern_no_rope, None)
+    variants = {"compile": eager, "compile+rope-layer": host_rope, "kernelized+compile-rope-layer": kern_no_rope,
+                "kernelized+compile": kern}
     compiled = {k: torch.compile(own_code(m.forward, k.replace("+", "_").replace("-", "_"))) for k, m in variants.items()}
     b, n = spec.prefill
     ids = _ids(s, b, n)
@@ -120,12 +111,6 @@ def main():
         print(f"\n{k}: GPU {tot:.2f} ms per call")
         for name, ms in sorted(rows.items(), key=lambda kv: -kv[1])[:12]:
             print(f"  {ms:8.2f}  {name[:120]}")
-    with torch.inference_mode():
-        pe = {lt: eager.model.rotary_emb(torch.empty(1, device=dev, dtype=torch.bfloat16),
-                                         torch.arange(n, device=dev)[None], lt) for lt in set(eager.config.layer_types)}
-        po = {lt: host_rope.model.rotary_emb(torch.empty(1, device=dev, dtype=torch.bfloat16),
-                                             torch.arange(n, device=dev)[None], lt) for lt in pe}
-    print("\ncos/sin bitwise equal to eager:", all(torch.equal(a, c) for lt in pe for a, c in zip(pe[lt], po[lt])))
     with torch.inference_mode():
         ref = call("compile").logits.float()
         for k in variants:
