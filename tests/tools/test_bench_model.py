@@ -136,9 +136,11 @@ def test_copy_modes_are_an_a_a_control(build_dir, tmp_path):
     assert set(m["graphs"]) == {"compile", "kernelized+compile"}
     assert "| prefill | copy+compile |" in md
     summary = md.split("## Summary")[1]
-    assert "| copy / eager | copy+compile / compile |" in summary
+    assert "| kernelized / eager | copy / eager | <= host | kernelized+compile / compile | copy+compile / compile |" \
+        in summary
     cells = next(line for line in summary.splitlines() if line.startswith("| t5-v1.1-base | prefill |")).split(" | ")
-    assert cells[2:6] == ["–", "–", _cell(modes["copy"]["vs_eager"]), _cell(modes["copy+compile"]["vs_compile"])]
+    assert cells[2:8] == ["–", _cell(modes["copy"]["vs_eager"]), "–", "–", _cell(modes["copy+compile"]["vs_compile"]),
+                          "–"]
 
 
 _GRAPH_OPS = """
@@ -313,6 +315,36 @@ def test_profile_categories_and_gpu_time_report():
     assert "| compile | 100.0 | 1.0 | gemm 99.0, pointwise 1.0 |" in lines
     assert lines[-1] == "GPU time: kernelized+compile / compile 0.950."
     assert _gpu_time(dict(part="prefill")) == []
+
+
+def _summary_row(kern, copy, gpu_kern, gpu_host=100.0):
+    """A prefill row whose kernelized+compile / compile and copy+compile / compile are ``kern`` and ``copy``
+    (median, min, max) and whose profiled GPU times are ``gpu_kern`` against ``gpu_host`` ms."""
+    prof = {mode: dict(gpu_ms=ms, idle_ms=1.0, categories={"gemm": ms}, top=[])
+            for mode, ms in (("compile", gpu_host), ("kernelized+compile", gpu_kern))}
+    return dict(part="prefill", profile=prof, modes={
+        "eager": dict(vs_eager=[1.0, 1.0, 1.0]), "compile": dict(vs_compile=[1.0, 1.0, 1.0]),
+        "kernelized+compile": dict(vs_compile=kern), "copy+compile": dict(vs_compile=copy)})
+
+
+def test_never_slower_verdict_and_summary_columns():
+    """The summary's verdict: at most 1.00 of the host is "yes"; above it, "A/A" only when the unkernelized copy
+    measured as far from the host in the same rounds and the GPU time is no more than the host's; else "no"."""
+    from kerneltools.bench.model.report import never_slower, summary_markdown
+
+    assert never_slower(_summary_row([0.99, 0.97, 1.02], [1.0, 0.98, 1.01], 96.0), "kernelized+compile") == "yes"
+    assert never_slower(_summary_row([1.01, 0.99, 1.03], [1.0, 0.97, 1.02], 98.0), "kernelized+compile") == "A/A"
+    assert never_slower(_summary_row([1.03, 1.02, 1.04], [1.0, 0.97, 1.02], 98.0), "kernelized+compile") == "no"
+    assert never_slower(_summary_row([1.01, 0.99, 1.03], [1.0, 0.97, 1.02], 101.0), "kernelized+compile") == "no"
+    assert never_slower(_summary_row([1.01, 0.99, 1.03], [1.0, 0.97, 1.02], 98.0), "kernelized") == "–"
+    result = dict(meta=dict(commit="abc1234"), models=[dict(
+        model="m", rows=[_summary_row([1.01, 0.99, 1.03], [1.0, 0.97, 1.02], 98.0)],
+        run=dict(meta=dict(commit="def5678")))])
+    head, _, row = summary_markdown(result).splitlines()
+    assert head.split(" | ")[6:10] == ["kernelized+compile / compile", "copy+compile / compile", "GPU time",
+                                      "<= host"]
+    assert row.split(" | ")[6:10] == ["1.010 [0.990, 1.030]", "1.000 [0.970, 1.020]", "0.980", "A/A"]
+    assert row.endswith("| def5678 |")
 
 
 def test_each_compiled_model_has_its_own_frame_cache():

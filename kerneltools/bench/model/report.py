@@ -121,32 +121,69 @@ def _gpu_time(row: dict) -> list:
     for mode, p in prof.items():
         cats = ", ".join(f"{c} {t}" for c, t in sorted(p["categories"].items(), key=lambda kv: -kv[1]))
         lines.append(f"| {mode} | {p['gpu_ms']} | {p['idle_ms']} | {cats} |")
-    ratios = [f"{mode} / {base} {prof[mode]['gpu_ms'] / prof[base]['gpu_ms']:.3f}"
-              for mode, base in (("kernelized", "eager"), ("kernelized+compile", "compile"))
-              if mode in prof and base in prof and prof[base]["gpu_ms"]]
+    ratios = [f"{mode} / {base} {r:.3f}" for mode, base in _PAIRS if (r := _gpu_ratio(row, mode, base)) is not None]
     if ratios:
         lines += ["", "GPU time: " + ", ".join(ratios) + "."]
     return lines
 
 
+_PAIRS = (("kernelized", "eager"), ("kernelized+compile", "compile"))  # each mode against its host
+_CONTROL = {"kernelized": "copy", "kernelized+compile": "copy+compile"}  # and the A/A copy of that host
+
+
+def _gpu_ratio(row: dict, mode: str, base: str) -> float | None:
+    """``mode``'s GPU time over ``base``'s in the row's ``--profile`` (None without both)."""
+    prof = row.get("profile") or {}
+    if mode in prof and base in prof and prof[base]["gpu_ms"]:
+        return prof[mode]["gpu_ms"] / prof[base]["gpu_ms"]
+    return None
+
+
+def never_slower(row: dict, mode: str) -> str:
+    """Whether ``mode`` (kernelized or kernelized+compile) is no slower than its host in the row: "yes" where the
+    median of its per-round ratios is at most 1.00; "A/A" where it is above 1.00 but within the unkernelized copy's
+    range in the same rounds (two identical models measured that far apart) and the profiled call's GPU time is
+    at most the host's; "no" otherwise, and "–" where the row did not time the mode."""
+    base = dict(_PAIRS)[mode]
+    v = row["modes"].get(mode, {}).get(f"vs_{base}")
+    if v is None:
+        return "–"
+    if v[0] <= 1.0:
+        return "yes"
+    copy = row["modes"].get(_CONTROL[mode], {}).get(f"vs_{base}")
+    gpu = _gpu_ratio(row, mode, base)
+    return "A/A" if copy is not None and v[0] <= copy[2] and gpu is not None and gpu <= 1.0 else "no"
+
+
 def summary_markdown(result: dict) -> str:
-    """One line per model and part: kernelized / eager and kernelized+compile / compile (the README's table); where
-    a run timed the copy modes, their ratios beside them (the A/A control: what two identical models measure)."""
-    control = any(mo.startswith("copy") for res in result["models"] for row in res["rows"] for mo in row["modes"])
-    cols = ["model", "part", "kernelized / eager", "kernelized+compile / compile"]
-    cols += ["copy / eager", "copy+compile / compile"] if control else []
-    cols.append("graphs (compile, kernelized)")
+    """One line per model and part: kernelized / eager and kernelized+compile / compile (the README's table), and
+    where the run timed them the unkernelized copy's ratios (the A/A control: what two identical models measure),
+    the profiled call's GPU-time ratio (``--profile``; host time left out) and :func:`never_slower`'s verdict."""
+    rows = [(res, row) for res in result["models"] for row in res["rows"]]
+    control = any(mo.startswith("copy") for _, row in rows for mo in row["modes"])
+    gpu = any(row.get("profile") for _, row in rows)
+    cols = ["model", "part"]
+    for mode, base in _PAIRS:
+        cols += [f"{mode} / {base}"] + ([f"{_CONTROL[mode]} / {base}"] if control else [])
+        cols += ["GPU time"] if gpu else []
+        cols += ["<= host"]
+    cols += ["graphs (compile, kernelized)", "commit"]
     lines = ["| " + " | ".join(cols) + " |", "|---" * len(cols) + "|"]
     for res in result["models"]:
         g = res.get("graphs", {})
         graphs = f"{g.get('compile', '–')}, {g.get('kernelized+compile', '–')}" if g else "–"
+        commit = res.get("run", {}).get("meta", result["meta"])["commit"]
         for row in res["rows"]:
-            cells = [row["modes"].get("kernelized", {}).get("vs_eager"),
-                     row["modes"].get("kernelized+compile", {}).get("vs_compile")]
-            if control:
-                cells += [row["modes"].get("copy", {}).get("vs_eager"),
-                          row["modes"].get("copy+compile", {}).get("vs_compile")]
-            lines.append(f"| {res['model']} | {row['part']} | " + " | ".join(map(_cell, cells)) + f" | {graphs} |")
+            cells = []
+            for mode, base in _PAIRS:
+                cells.append(_cell(row["modes"].get(mode, {}).get(f"vs_{base}")))
+                if control:
+                    cells.append(_cell(row["modes"].get(_CONTROL[mode], {}).get(f"vs_{base}")))
+                if gpu:
+                    r = _gpu_ratio(row, mode, base)
+                    cells.append("–" if r is None else f"{r:.3f}")
+                cells.append(never_slower(row, mode))
+            lines.append(f"| {res['model']} | {row['part']} | " + " | ".join(cells) + f" | {graphs} | {commit} |")
             graphs = ""
     return "\n".join(lines) + "\n"
 
