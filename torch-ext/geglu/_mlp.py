@@ -105,14 +105,24 @@ def geglu_mlp(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, approxima
     if mode == _backend.AUTOGRAD:
         if not host_bound(x, w_gate) and node_applies(x, w_gate, w_up, w_down):
             return _apply(x, w_gate, w_up, w_down, approximate)
-        gate = F.linear(x, w_gate)
-        h = (act(gate) if act is not None else F.gelu(gate, approximate=approximate)) * F.linear(x, w_up)
-        return F.linear(h, w_down)
+        return _host(x, w_gate, w_up, w_down, approximate, act)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w_gate, w_up, w_down)):
         if traced_fused_training(x):
             return geglu_mlp_train_fused(x, w_gate, w_up, w_down, approximate)[0]
+        if torch.compiler.is_compiling():
+            # A compiled training step gets the host's ops, which Inductor compiles as it compiles the unkernelized
+            # model: measured on an H200 (docs/fused-mlp.md), the training op's GEMMs cost the step more GPU time
+            # than its GeGLU kernels save against Inductor's fused pointwise pass.
+            return _host(x, w_gate, w_up, w_down, approximate, act)
         return geglu_mlp_train(x, w_gate, w_up, w_down, approximate)[0]
     return geglu_mlp_op(x, w_gate, w_up, w_down, approximate)
+
+
+def _host(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, approximate: str, act=None) -> Tensor:
+    """The hosts' MLP op for op: ``down(act(gate(x)) * up(x))``, the activation before the up projection."""
+    gate = F.linear(x, w_gate)
+    h = (act(gate) if act is not None else F.gelu(gate, approximate=approximate)) * F.linear(x, w_up)
+    return F.linear(h, w_down)
 
 
 # --- inference -----------------------------------------------------------------------------------------------------
