@@ -287,15 +287,18 @@ def test_modernbert_naive_colwise_is_wrong_for_the_model(reports):
 # --- FSDP2 ---------------------------------------------------------------------------------------------------------
 
 
-def _assert_fsdp(res: dict, data: str) -> None:
+def _assert_fsdp(res: dict, data: str, compiled: bool = False) -> None:
+    assert "error" not in res, res.get("traceback")
     for step in res["grads"]:
         for name, d in step.items():
-            if data == "same":
+            if data == "same" and not compiled:
                 assert d["equal"], (name, d)
-            else:
+            else:  # a slice per rank, or Inductor's code for the MLP (not eager's bits)
                 assert_within(d, RTOL, f"FSDP2 grad {name}")
-    # two decoder layers, two steps: the kernel ran forward and backward in each
-    assert len(res["calls"]["fwd"]) == 4 and len(res["calls"]["bwd"]) == 4
+    if compiled:  # a compiled training step traces the host's MLP ops: the kernel is not called
+        assert not res["calls"].get("fwd") and not res["calls"].get("bwd"), res["calls"]
+    else:  # two decoder layers, two steps: the kernel ran forward and backward in each
+        assert len(res["calls"]["fwd"]) == 4 and len(res["calls"]["bwd"]) == 4
 
 
 @pytest.mark.parametrize("data", ["same", "split"])
@@ -312,9 +315,9 @@ def test_fsdp2_training_node(reports, data):
 @pytest.mark.slow
 @pytest.mark.parametrize("data", ["same", "split"])
 def test_fsdp2_training_compiled(compile_reports, data):
-    """The same with each MLP compiled (Mode.TRAINING | Mode.TORCH_COMPILE, fullgraph): the ops run inside the
-    compiled graphs (the training node is eager-only)."""
-    _assert_fsdp(case(compile_reports, f"fsdp/compile/{data}"), data)
+    """The same with each MLP compiled (Mode.TRAINING | Mode.TORCH_COMPILE, fullgraph): the compiled step traces the
+    host's MLP ops (no kernel call), and its gradients stay within RTOL of the unsharded eager model's."""
+    _assert_fsdp(case(compile_reports, f"fsdp/compile/{data}"), data, compiled=True)
 
 
 def test_package_imports_without_torch_distributed(build_dir, tmp_path):

@@ -177,8 +177,8 @@ def test_gpu_backward_peak_memory_below_eager(build_dir, act):
 
 
 def test_compiled_training_step_takes_the_regular_path(build_dir):
-    """Under torch.compile(fullgraph=True) the node is not used (the layer's regular path and the ops are traced),
-    and a training step compiles and gives eager's output and gradients."""
+    """Under torch.compile(fullgraph=True) the node is not used (a training step traces the host's ops), and the
+    step compiles and gives eager's output and gradients (aot_eager runs the traced ops)."""
     torch.manual_seed(0)
     model = GatedMLP(16, 40, nn.GELU(approximate="tanh"))
     ref = GatedMLP(16, 40, nn.GELU(approximate="tanh"))

@@ -93,10 +93,11 @@ class GeGLUMLP(nn.Module):
     (``_mlp.geglu_mlp``): a training step is one autograd node with eager's output and gradients bit for bit and at
     most three [M, H] activation buffers in its backward (eager: four); inference at prefill sizes takes the fused
     gate/up GEMM (the GeGLU in its epilogue: more accurate than eager, not its bits) where it measures faster on the
-    device (setting ``fused_mlp``, ``GEGLU_FUSED_MLP=0`` turns it off); under torch.compile both are custom ops, with
-    every shape-dependent choice made when they run. ``GEGLU_FUSED_TRAINING=1`` (setting ``fused_training``) gives
-    the training step, eager or compiled, the fused kernels where the Gluon backward runs (sm_90): not eager's bits,
-    more accurate.
+    device (setting ``fused_mlp``, ``GEGLU_FUSED_MLP=0`` turns it off). Under torch.compile inference is a custom op
+    that makes every shape-dependent choice when it runs, and a training step traces the host's ops (Inductor's
+    fused pointwise kernels measured faster there than our op). ``GEGLU_FUSED_TRAINING=1`` (setting
+    ``fused_training``) gives the training step, eager or compiled, the fused kernels where the Gluon backward runs
+    (sm_90): not eager's bits, more accurate.
     """
 
     can_torch_compile = True
