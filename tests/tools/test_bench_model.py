@@ -317,6 +317,32 @@ def test_profile_categories_and_gpu_time_report():
     assert _gpu_time(dict(part="prefill")) == []
 
 
+def test_gpu_time_leaves_out_the_optimizers_annotation():
+    """torch.profiler lists a ``record_function`` range (the optimizer's ``Optimizer.step#AdamW.step``) among the
+    CUDA events, spanning its kernels: the profiler skips it, and the report takes it out of profiles recorded with
+    it (when it is among their largest entries), from the total, its category and the GPU-time ratio."""
+    from types import SimpleNamespace
+
+    from kerneltools.bench.model.profiling import is_annotation
+    from kerneltools.bench.model.report import _gpu_ratio, _gpu_time, kernel_time
+
+    assert is_annotation("Optimizer.step#AdamW.step")
+    assert is_annotation("zero_grad", SimpleNamespace(is_user_annotation=True))
+    assert not is_annotation("void at::native::multi_tensor_apply_kernel<FusedAdam>", SimpleNamespace(
+        is_user_annotation=False))
+    prof = {"compile": dict(gpu_ms=160.0, idle_ms=1.0, categories={"gemm": 70.0, "optimizer": 90.0},
+                            top=[["Optimizer.step#AdamW.step", 30.0], ["nvjet_sm90_tst", 20.0]]),
+            "kernelized+compile": dict(gpu_ms=150.0, idle_ms=1.0, categories={"gemm": 90.0, "optimizer": 60.0},
+                                       top=[["nvjet_sm90_tst", 20.0]])}
+    k = kernel_time(prof["compile"])
+    assert (k["gpu_ms"], k["categories"], k["top"]) == (130.0, {"gemm": 70.0, "optimizer": 60.0},
+                                                        [("nvjet_sm90_tst", 20.0)])
+    assert kernel_time(prof["kernelized+compile"]) is prof["kernelized+compile"]
+    row = dict(part="train", profile=prof)
+    assert abs(_gpu_ratio(row, "kernelized+compile", "compile") - 150.0 / 130.0) < 1e-12
+    assert "| compile | 130.0 | 1.0 | gemm 70.0, optimizer 60.0 |" in _gpu_time(row)
+
+
 def _summary_row(kern, copy, gpu_kern, gpu_host=100.0):
     """A prefill row whose kernelized+compile / compile and copy+compile / compile are ``kern`` and ``copy``
     (median, min, max) and whose profiled GPU times are ``gpu_kern`` against ``gpu_host`` ms."""
