@@ -4,6 +4,7 @@ decoding step with its work taken out (``call_cost``), and the Dynamo graphs ove
 
 from __future__ import annotations
 
+import re
 import time
 
 from ..common import median, round_order
@@ -38,13 +39,18 @@ def _category(name: str) -> str:
     return "other"
 
 
+_OPTIMIZER_RANGE = re.compile(r"^Optimizer\.\w+#\w+\.\w+$")  # torch.optim's record_function names
+
+
 def is_annotation(name: str, event=None) -> bool:
     """A GPU-side user annotation, not a kernel: a ``record_function`` range such as the optimizer's
     ``Optimizer.step#AdamW.step``, which torch.profiler lists among the CUDA events with the span from its first
     kernel's start to its last one's end. Counted as a kernel it adds its kernels' time a second time and the gaps
     between them (the training rows measured before this check counted AdamW's step twice: 28.6 of Gemma 3
-    4B-shaped's 162.6 ms)."""
-    return bool(getattr(event, "is_user_annotation", False)) or "#" in name
+    4B-shaped's 162.6 ms). An ``event`` says so itself (``is_user_annotation``); a bare name (a report of such an
+    earlier profile, or a torch that does not flag it) is recognised by torch.optim's naming, not by a '#' alone:
+    kernel names hold one too (``{lambda()#1}``)."""
+    return bool(getattr(event, "is_user_annotation", False)) or bool(_OPTIMIZER_RANGE.match(name))
 
 
 def _idle_ms(spans: list) -> float | None:
