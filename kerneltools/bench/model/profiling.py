@@ -46,7 +46,7 @@ def is_annotation(name: str, event=None) -> bool:
     """A GPU-side user annotation, not a kernel: a ``record_function`` range such as the optimizer's
     ``Optimizer.step#AdamW.step``, which torch.profiler lists among the CUDA events with the span from its first
     kernel's start to its last one's end. Counted as a kernel it adds its kernels' time a second time and the gaps
-    between them (the training rows measured before this check counted AdamW's step twice: 28.6 of Gemma 3
+    between them (training profiles before dee7c9e counted AdamW's step twice: 28.6 of Gemma 3
     4B-shaped's 162.6 ms). An ``event`` says so itself (``is_user_annotation``); a bare name (a report of such an
     earlier profile, or a torch that does not flag it) is recognised by torch.optim's naming, not by a '#' alone:
     kernel names hold one too (``{lambda()#1}``)."""
