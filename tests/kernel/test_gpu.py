@@ -154,6 +154,7 @@ def test_auto_routing_of_packed_autograd_is_the_hosts_graph(geglu, act_first):
     xr = x.detach().clone().requires_grad_()
     a, b = xr.chunk(2, dim=-1)
     ref = torch.nn.functional.gelu(a) * b if act_first else a * torch.nn.functional.gelu(b)
+
     def names(t):
         seen, stack = set(), [t.grad_fn]
         while stack:
