@@ -69,9 +69,16 @@ def assert_matches_eager(impl_name, result, ref, scale):
         )
 
 
-def assert_close_to_fp64(result, eager, ref64, slack=1.02):
-    """Our error against fp64 is no worse than eager's own (rounding in the output dtype)."""
+def assert_close_to_fp64(result, eager, ref64, slack=1.02, impl_name=None, scale=None):
+    """Our error against fp64 is no worse than eager's own (rounding in the output dtype). On the Triton
+    interpreter (``impl_name`` "triton" on CPU), whose erf/tanh/exp are not eager's, the norm of the interpreter's
+    stated deviation from eager (:func:`interpreter_bound`, over the inputs' magnitude ``scale``) is allowed on top:
+    with a handful of elements, eager's own error cannot absorb it (a (1, 8) fp32 tanh forward measured 4.1e-7
+    against eager's 3.1e-7, relative)."""
     ours = (result.double() - ref64).norm().item()
     theirs = (eager.double() - ref64).norm().item()
-    scale = ref64.norm().item() + 1e-30
-    assert ours <= theirs * slack + 1e-7 * scale, f"relative error {ours / scale:.3g} vs eager's {theirs / scale:.3g}"
+    norm = ref64.norm().item() + 1e-30
+    allowed = theirs * slack + 1e-7 * norm
+    if impl_name == "triton" and result.device.type == "cpu":
+        allowed += 4 * (E32 * scale.double() + torch.finfo(result.dtype).eps * eager.double().abs()).norm().item()
+    assert ours <= allowed, f"relative error {ours / norm:.3g} vs eager's {theirs / norm:.3g}"
