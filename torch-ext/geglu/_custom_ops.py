@@ -77,8 +77,12 @@ def _check_triton_device(t: Tensor) -> None:
         )
 
 
-def _halves(x: Tensor, d: int, act_first: bool) -> Tuple[Tensor, Tensor]:
-    a, b = x[..., :d], x[..., d:]
+def _halves(x: Tensor, act_first: bool) -> Tuple[Tensor, Tensor]:
+    """(gate, up) of a packed ``x[..., 2d]``: views split as the hosts split it (``chunk``), so that where autograd
+    records them the backward is one SplitBackward node concatenating the two gradients; two slices would each
+    scatter into a zero-filled [..., 2d] gradient and add them (ModernBERT base's eager training step took 1.9 ms
+    more GPU time on an H200 at e53f5fb)."""
+    a, b = x.chunk(2, dim=-1)
     return (a, b) if act_first else (b, a)
 
 
@@ -143,7 +147,7 @@ def _(gate, up, approximate, inplace_backward):
 def geglu_packed(x: Tensor, approximate: str, act_first: bool, inplace_backward: bool) -> Tensor:
     d = check_packed(x, approximate)
     out = torch.empty(x.shape[:-1] + (d,), dtype=x.dtype, device=x.device)
-    gate, up = _halves(x, d, act_first)
+    gate, up = _halves(x, act_first)
     _forward_into(out, gate, up, approximate, True)
     return out
 
@@ -185,10 +189,10 @@ def backward_inplace(grad: Tensor, gate: Tensor, up: Tensor, approximate: str) -
 
 
 def packed_backward_new(grad: Tensor, x: Tensor, approximate: str, act_first: bool) -> Tensor:
-    d = check_packed(x, approximate)
+    check_packed(x, approximate)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    gate, up = _halves(x, d, act_first)
-    d_gate, d_up = _halves(dx, d, act_first)
+    gate, up = _halves(x, act_first)
+    d_gate, d_up = _halves(dx, act_first)
     check_backward(grad, gate, up, approximate)
     _backward_into(d_gate, d_up, grad, gate, up, approximate)
     return dx
@@ -196,7 +200,7 @@ def packed_backward_new(grad: Tensor, x: Tensor, approximate: str, act_first: bo
 
 def packed_backward_inplace(grad: Tensor, x: Tensor, approximate: str, act_first: bool) -> None:
     d = check_packed(x, approximate)
-    gate, up = _halves(x, d, act_first)
+    gate, up = _halves(x, act_first)
     check_backward(grad, gate, up, approximate)
     if not _viewable(gate, d):
         raise ValueError("geglu: in-place backward needs an x whose leading dims flatten to rows without a copy.")
@@ -233,8 +237,8 @@ def geglu_packed_backward(grad: Tensor, x: Tensor, approximate: str, act_first: 
 
 @geglu_packed_backward.register_fake
 def _(grad, x, approximate, act_first):
-    d = check_packed(x, approximate)
-    gate, up = _halves(x, d, act_first)
+    check_packed(x, approximate)
+    gate, up = _halves(x, act_first)
     check_backward(grad, gate, up, approximate)
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
@@ -247,8 +251,8 @@ def geglu_packed_backward_(grad: Tensor, x: Tensor, approximate: str, act_first:
 
 @geglu_packed_backward_.register_fake
 def _(grad, x, approximate, act_first):
-    d = check_packed(x, approximate)
-    gate, up = _halves(x, d, act_first)
+    check_packed(x, approximate)
+    gate, up = _halves(x, act_first)
     check_backward(grad, gate, up, approximate)
 
 
@@ -353,7 +357,7 @@ class EagerGeGLUPacked(torch.autograd.Function):
     def forward(ctx, x, approximate, act_first, inplace_backward):
         d = check_packed(x, approximate)
         out = torch.empty(x.shape[:-1] + (d,), dtype=x.dtype, device=x.device)
-        gate, up = _halves(x, d, act_first)
+        gate, up = _halves(x, act_first)
         _forward_into(out, gate, up, approximate, True)
         ctx.save_for_backward(x)
         ctx.approximate = approximate
