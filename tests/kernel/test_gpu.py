@@ -148,23 +148,16 @@ def test_auto_routing_of_packed_autograd_is_the_hosts_graph(geglu, act_first):
     """Under 'auto', a small packed call that records a gradient runs the host's own graph: the halves from
     ``chunk`` (the autograd nodes ModernBERT's MLP records), not two slices, whose backward would fill a
     zero [..., 2d] gradient per half and add them. Values and the packed gradient are the host's bit for bit."""
+    from kerneltools.bench.model.profiling import _autograd_nodes
+
     geglu.set_backend("auto")
     x = randn(8, 128, 2 * 1152, dtype=torch.bfloat16, device="cuda", scale=3).requires_grad_()
     y = geglu.geglu_packed(x, "none", act_first=act_first)
     xr = x.detach().clone().requires_grad_()
     a, b = xr.chunk(2, dim=-1)
     ref = torch.nn.functional.gelu(a) * b if act_first else a * torch.nn.functional.gelu(b)
-
-    def names(t):
-        seen, stack = set(), [t.grad_fn]
-        while stack:
-            node = stack.pop()
-            if node is not None and type(node).__name__ not in seen:
-                seen.add(type(node).__name__)
-                stack.extend(fn for fn, _ in node.next_functions)
-        return seen
-
-    assert names(y) == names(ref) and "SliceBackward0" not in names(y), (sorted(names(y)), sorted(names(ref)))
+    nodes, host = _autograd_nodes(y), _autograd_nodes(ref)
+    assert nodes == host and "SliceBackward0" not in nodes, (nodes, host)
     assert torch.equal(y, ref)
     dy = randn(*y.shape, dtype=y.dtype, device="cuda")
     y.backward(dy)
