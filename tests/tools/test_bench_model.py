@@ -541,3 +541,45 @@ def test_bad_pool_is_named(build_dir, tmp_path):
 def test_bad_processes_are_named(build_dir, tmp_path):
     proc = _run_bench(build_dir, tmp_path / "out", "--model", "t5-v1.1-base", "--processes", "0")
     assert proc.returncode != 0 and "--processes 0: expected at least 1" in proc.stderr
+
+
+def test_processes_start_from_the_given_offset(tmp_path, monkeypatch):
+    """--processes N --offset K gives process i the offset K + i (a second device call's processes then rotate
+    differently from the first's, and --pool takes both); each child runs one process in its own report folder."""
+    import argparse
+    import multiprocessing
+
+    from kerneltools.bench.model import processes
+
+    seen = []
+
+    def child(args):
+        seen.append((args.processes, args.offset, args.profile))
+        args.out.mkdir(parents=True)
+        row = dict(part="prefill", tokens=8, modes={mo: dict(ms=1.0, tokens_per_s=8.0, first_call_s=0.1, peak_mib=1,
+                                                               new_graphs=0, vs_eager=[1.0, 1.0, 1.0],
+                                                               vs_eager_rounds=[1.0], vs_compile=None,
+                                                               vs_compile_rounds=None)
+                                                   for mo in ("eager", "kernelized")})
+        (args.out / "model.json").write_text(json.dumps(dict(meta=dict(commit="x"), offset=args.offset,
+                                                             models=[dict(model="m", rows=[row])])))
+
+    class Inline:  # a spawned process, run in this one
+        def __init__(self, target, args):
+            self.target, self.args, self.exitcode = target, args, None
+
+        def start(self):
+            self.target(*self.args)
+            self.exitcode = 0
+
+        def join(self):
+            pass
+
+    monkeypatch.setattr(processes, "_run_child", child)
+    monkeypatch.setattr(multiprocessing, "get_context", lambda method: argparse.Namespace(Process=Inline))
+    monkeypatch.setattr(processes, "write", lambda result, base: None)
+    args = argparse.Namespace(processes=3, offset=4, out=tmp_path, profile=True, graph_lengths="1", call_cost=0)
+    pooled = processes.run_processes(args, log=lambda *a: None)
+    assert seen == [(1, 4, True), (1, 5, False), (1, 6, False)]
+    assert pooled["offsets"] == [4, 5, 6] and pooled["processes"] == 3
+    assert [p.name for p in sorted(tmp_path.iterdir())] == ["process-0", "process-1", "process-2"]

@@ -56,7 +56,7 @@ def add_arguments(p) -> None:
                         "processes (e.g. one per device call, each with its own --offset), as --processes does")
     p.add_argument("--offset", type=int, default=0,
                    help="rotate which mode compiles first and the rounds' order by this many places (default 0; "
-                        "--processes gives process i the offset i)")
+                        "with --processes, process i takes this offset + i)")
     p.add_argument("--layers", type=int, default=None,
                    help="number of layers of every model (each stack of T5) in place of its own, e.g. a tiny config "
                         "with the real model's depth for --call-cost on CPU")

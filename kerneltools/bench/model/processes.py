@@ -19,10 +19,11 @@ def _run_child(args) -> None:  # a spawned process of run_processes (module leve
 
 def run_processes(args, log=print) -> dict:
     """``--processes N``: the whole run N times, each in a fresh Python process (spawned: its own CUDA context,
-    Dynamo caches and Inductor state), the i-th with its first calls and rounds rotated by i places, so that the
-    modes take turns compiling first; then :func:`pool`. A host-bound compiled model's ratio moves with the
-    process's state (T5 v1.1 base's compiled prefill: 0.968, 1.056 and 1.006 of compile in three processes on an
-    H200, docs/development.md), so that one process is one sample. Each process's own report stays in
+    Dynamo caches and Inductor state), the i-th with its first calls and rounds rotated by ``--offset`` + i places,
+    so that the modes take turns compiling first (and runs made apart, one per device call with offsets N apart,
+    can be pooled with ``--pool``); then :func:`pool`. A host-bound compiled model's ratio moves with the process's
+    state (T5 v1.1 base's compiled prefill: 0.968, 1.056 and 1.006 of compile in three processes on an H200,
+    docs/development.md), so that one process is one sample. Each process's own report stays in
     ``OUT/process-i``; the graph count, the profile and the call cost run in the first process only."""
     import multiprocessing
     import tempfile
@@ -32,7 +33,7 @@ def run_processes(args, log=print) -> dict:
     results = []
     for i in range(args.processes):
         child = copy.copy(args)
-        child.processes, child.offset, child.out = 1, i, base / f"process-{i}"
+        child.processes, child.offset, child.out = 1, args.offset + i, base / f"process-{i}"
         if i:
             child.graph_lengths, child.profile, child.call_cost = "", False, 0
         log(f"process {i + 1} of {args.processes} (report in {child.out})")
