@@ -41,6 +41,12 @@ def randn(*shape, dtype, device, scale=1.0):
     return (torch.randn(*shape, device=device, dtype=torch.float32) * scale).to(dtype)
 
 
+def _interpreter_deviation(ref, scale):
+    """The interpreter's stated deviation from ``ref``, per element and without the subnormal term:
+    ``4 * (eps_fp32 * scale + eps_T * |ref|)`` (see :func:`interpreter_bound`)."""
+    return 4 * (E32 * scale.double() + torch.finfo(ref.dtype).eps * ref.double().abs())
+
+
 def interpreter_bound(result, ref, scale):
     """The stated bound for the Triton interpreter on CPU, where erf/tanh/exp come from Python/numpy rather than
     CUDA's libdevice (a few fp32 ulp apart, which near GELU's tails is large relative to the tiny result):
@@ -49,10 +55,8 @@ def interpreter_bound(result, ref, scale):
 
     with ``scale`` the magnitude of the inputs' product (|gate|*|up| for the forward). Measured worst ratio on
     random data: 1.5 (of 4)."""
-    eps = torch.finfo(ref.dtype).eps
-    tiny = torch.finfo(ref.dtype).tiny
     err = (result.double() - ref.double()).abs()
-    allowed = 4 * (E32 * scale.double() + eps * ref.double().abs() + tiny)
+    allowed = _interpreter_deviation(ref, scale) + 4 * torch.finfo(ref.dtype).tiny
     worst = (err / allowed).max().item() if err.numel() else 0.0
     assert worst <= 1.0, f"interpreter bound exceeded: worst error is {worst:.3g} x the bound"
 
@@ -80,5 +84,5 @@ def assert_close_to_fp64(result, eager, ref64, slack=1.02, impl_name=None, scale
     norm = ref64.norm().item() + 1e-30
     allowed = theirs * slack + 1e-7 * norm
     if impl_name == "triton" and result.device.type == "cpu":
-        allowed += 4 * (E32 * scale.double() + torch.finfo(result.dtype).eps * eager.double().abs()).norm().item()
+        allowed += _interpreter_deviation(eager, scale).norm().item()
     assert ours <= allowed, f"relative error {ours / norm:.3g} vs eager's {theirs / norm:.3g}"
