@@ -32,6 +32,22 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
+def pytest_terminal_summary(terminalreporter):
+    """One line per skip reason with its count, so that a run's skips explain themselves (``-rs`` would list the
+    location of each of the hundreds of GPU tests a CPU run skips)."""
+    from collections import Counter
+
+    reasons = Counter()
+    for report in terminalreporter.stats.get("skipped", []):
+        longrepr = report.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+        reasons[reason.removeprefix("Skipped: ")] += 1
+    if reasons:
+        terminalreporter.write_sep("=", "skipped, by reason")
+        for reason, n in sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0])):
+            terminalreporter.write_line(f"{n:5d}  {reason}")
+
+
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
         return

@@ -63,6 +63,14 @@ def copy_floor_gbs(torch, device: str, time_us) -> float:
     return 2 * n * 2 / (t * 1e-6) / 1e9
 
 
+def percent_of(reference_us: float, us: float) -> float:
+    """``reference_us`` as a percentage of ``us``: exactly 100.0 when the two are equal (the reference row).
+
+    The ratio is taken first: ``t / t`` is exactly 1.0 in floating point, while ``(100 * t) / t`` rounds to
+    100.00000000000001 or 99.99999999999999 for about one value of ``t`` in ten."""
+    return 100 * (reference_us / us)
+
+
 def _experts(torch, shape: MoEShape, device: str, dtype, impl: str):
     """A Gemma4TextExperts of ``shape`` with random weights (std 0.02), configured for ``impl``."""
     from transformers import Gemma4TextConfig
@@ -223,7 +231,7 @@ def run(build_dir: Path, *, quick: bool = False, rounds: int = 3, device: str | 
                         gbs = moved / (t * 1e-6) / 1e9
                         row["gbs"], row["pct_floor"] = gbs, 100 * gbs / floor  # rounded in the markdown
                     if step == "gate_up":  # the rate of transformers' grouped GEMM alone, as a percentage
-                        row["pct_grouped_mm"] = 100 * median(times["grouped_mm alone"]) / t
+                        row["pct_grouped_mm"] = percent_of(median(times["grouped_mm alone"]), t)
                     rows.append(row)
                     log(f"{label} {step} {name}: {t:.1f} us ({row['vs_eager']:.3f}x eager"
                         + (f", {row['pct_floor']:.1f}% of floor" if step == "gate" else "")

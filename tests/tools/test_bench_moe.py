@@ -67,3 +67,16 @@ def test_bench_moe_refuses_full_shapes_on_cpu_and_bad_rounds(tmp_path):
     assert rounds.returncode == 2 and "--rounds must be at least 1, got 0" in rounds.stderr
     missing = _bench("--quick", "--device", "cpu", "--build-dir", str(tmp_path / "nope"), timeout=120)
     assert missing.returncode == 2 and "no build tree at" in missing.stderr
+
+
+def test_reference_row_is_exactly_one_hundred_percent():
+    """The reference row's percentage is exact by construction, for every measured time: these times made the
+    former ``100 * t / t`` read 100.00000000000001 or 99.99999999999999."""
+    from random import Random
+
+    from kerneltools.bench.moe import percent_of
+
+    rng = Random()
+    times = [5487.44, 5963.27, 5606.44] + [rng.uniform(0.1, 1e5) for _ in range(100_000)]
+    assert [t for t in times if percent_of(t, t) != 100.0] == []
+    assert percent_of(50.0, 200.0) == 25.0 and percent_of(3.0, 2.0) == 150.0
