@@ -4,8 +4,13 @@ Nothing here knows the Hub's routes (:mod:`.server` does); this module makes eve
 with a Hub-style answer:
 
 - bodies are read through :class:`BodyReader` (Content-Length or chunked), never past their limit (413), with a
-  per-read socket timeout (408 for a stalled body), and malformed chunked framing is a 400;
-- a connection over the server's ``max_connections`` gets an immediate 503 with ``Retry-After`` instead of a thread;
+  per-read socket timeout (408 for a stalled body), and malformed framing (a Content-Length that is not ASCII
+  digits, bad chunks) is a 400; JSON bodies are bounded in size, shape, depth and must be valid Unicode
+  (:func:`loads_json`), and large ones draw on a server-wide budget;
+- a request head must arrive within ``header_timeout``; at ``max_connections`` a new connection takes the slot of
+  the one idle or sending its head the longest, and gets an immediate 503 with ``Retry-After`` only when every
+  connection is handling a request;
+- answers go out with TCP_NODELAY, head and body in one write (no Nagle / delayed-ACK wait on keep-alive);
 - the listen backlog (``request_queue_size``) takes a burst of hundreds of new connections;
 - an answer sent before the body was read ends with a bounded "lingering close", so that the client reads the
   answer instead of a connection reset;
@@ -25,11 +30,18 @@ import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from .errors import HubError, disk_full
+from .errors import HubError, busy, disk_full
+from .names import utf8_ok
 
-MAX_JSON_BODY = 4 * 1024 * 1024
+MAX_JSON_BODY = 1 << 20  # default of --max-json-bytes: every JSON body (create, preupload, paths-info, ...)
 MAX_JSON_DEPTH = 64
-_CHUNK_SIZE_RE = re.compile(rb"^[0-9A-Fa-f]{1,15}$")
+# the shape of a JSON body, counted on its bytes before parsing: what it may cost in memory once parsed (a 1 MiB
+# body of '[{},{},...]' would otherwise become ~20 MB of Python objects)
+MAX_JSON_CONTAINERS = 10_000
+MAX_JSON_STRINGS = 20_000
+SMALL_BODY = 64 << 10  # bodies up to this size are read without a reservation from the server's body budget
+_CHUNK_SIZE_RE = re.compile(rb"[0-9A-Fa-f]{1,15}")  # fullmatch
+_CONTENT_LENGTH_RE = re.compile(r"[0-9]{1,18}")  # fullmatch: ASCII digits only (str.isdigit also takes '\xb2')
 _WRITE_CONTENT_TYPES = ("application/json", "application/x-ndjson")
 
 
@@ -43,35 +55,63 @@ def bad_json(e: Exception, what: str = "Request body") -> HubError:
     return HubError(400, f"{what} is not valid JSON: {e}.")
 
 
+def json_shape_problem(data: bytes) -> str | None:
+    """Why a JSON text would cost too much to parse (too many objects, arrays or strings), or None."""
+    containers = data.count(b"{") + data.count(b"[")
+    if containers > MAX_JSON_CONTAINERS:
+        return f"it has more than {MAX_JSON_CONTAINERS} objects and arrays"
+    if data.count(b'"') > 2 * MAX_JSON_STRINGS:
+        return f"it has more than {MAX_JSON_STRINGS} strings"
+    return None
+
+
 def loads_json(data: bytes | str, what: str = "Request body"):
-    """json.loads with a nesting limit (a 100k-deep document is a 400, never a RecursionError)."""
+    """json.loads with bounds: its shape (:func:`json_shape_problem`) is checked before parsing, and the result may
+    be nested at most MAX_JSON_DEPTH deep and hold only valid Unicode (JSON can carry a lone surrogate '\\ud800',
+    which nothing downstream can encode). Every problem is a 400, never a RecursionError or UnicodeEncodeError."""
+    raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data
+    problem = json_shape_problem(raw)
+    if problem:
+        raise HubError(400, f"{what} is refused: {problem}. Split the request into smaller ones.")
     try:
         obj = json.loads(data)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise bad_json(e, what) from None
-    if depth_over(obj, MAX_JSON_DEPTH):
-        raise HubError(400, f"{what} is nested more than {MAX_JSON_DEPTH} levels deep.")
+    problem = json_problem(obj, MAX_JSON_DEPTH)
+    if problem:
+        raise HubError(400, f"{what} is refused: {problem}.")
     return obj
 
 
-def depth_over(obj, limit: int) -> bool:
+def json_problem(obj, limit: int) -> str | None:
+    """Why a parsed JSON value is refused (nested more than ``limit`` levels, or a string or key that is not valid
+    Unicode), or None."""
     stack = [(obj, 1)]
     while stack:
         o, d = stack.pop()
-        if isinstance(o, (dict, list)):
+        if isinstance(o, str):
+            if not o.isascii() and not utf8_ok(o):
+                return ("it has a string that is not valid Unicode (a lone surrogate such as '\\ud800'); send "
+                        "UTF-8 text")
+        elif isinstance(o, (dict, list)):
             if d > limit:
-                return True
-            stack.extend((v, d + 1) for v in (o.values() if isinstance(o, dict) else o))
-    return False
+                return f"it is nested more than {limit} levels deep"
+            if isinstance(o, dict):
+                stack.extend((k, d) for k in o)
+                stack.extend((v, d + 1) for v in o.values())
+            else:
+                stack.extend((v, d + 1) for v in o)
+    return None
 
 
 class BodyReader:
     """A request body framed by Content-Length or chunked transfer encoding, read in bounded pieces up to
     ``limit`` bytes. Socket timeouts (the connection's) surface as TimeoutError; the dispatcher answers 408."""
 
-    def __init__(self, rfile, headers, limit: int):
+    def __init__(self, rfile, headers, limit: int, option: str = "--max-commit-bytes"):
         self.rfile = rfile
         self.limit = limit
+        self.option = option
         self.total = 0
         self.done = False
         te = (headers.get("Transfer-Encoding") or "").strip().lower()
@@ -85,15 +125,15 @@ class BodyReader:
                 raise HubError(400, "A request may not have both Content-Length and Transfer-Encoding.")
             self.remaining = None
             return
-        if cl is None or not cl.strip().isdigit():
-            if cl is not None:
-                raise HubError(400, f"Invalid Content-Length header {cl!r}.")
-            cl = "0"
-        self.remaining = int(cl)
+        if cl is not None and not _CONTENT_LENGTH_RE.fullmatch(cl.strip()):
+            shown = cl if len(cl) <= 40 else cl[:40] + "..."
+            raise HubError(400, f"Invalid Content-Length header {shown!r}: expected the body's size in bytes as "
+                                "ASCII digits (at most 18 of them).")
+        self.remaining = int(cl or "0")
         if self.remaining > limit:
             raise HubError(413, f"Request body of {self.remaining} bytes is over this server's limit of {limit} "
-                                "bytes. Split the upload into several commits, or ask the server's owner to raise "
-                                "--max-commit-bytes.")
+                                "bytes for this request. Split it into several smaller requests (or commits), or "
+                                f"ask the server's owner to raise {option}.")
         self.done = self.remaining == 0
 
     @property
@@ -136,7 +176,7 @@ class BodyReader:
             raise HubError(400, "Malformed chunked request body: a chunk-size line is not terminated by CRLF "
                                 "within 1024 bytes.")
         size = line[:-2].split(b";", 1)[0].strip()
-        if not _CHUNK_SIZE_RE.match(size):
+        if not _CHUNK_SIZE_RE.fullmatch(size):
             raise HubError(400, f"Malformed chunked request body: bad chunk size {size[:40]!r}.")
         self.chunk_left = int(size, 16)
         if self.chunk_left == 0:
@@ -183,48 +223,187 @@ def parse_target(raw: str) -> tuple[list[str], dict[str, str]]:
     return segs, query
 
 
+class _Conn:
+    """What the server knows of one open connection: its socket and what it is doing.
+
+    ``idle``: between requests, nothing of the next one received yet; ``head``: receiving a request line and
+    headers; ``busy``: a request is being handled (its body read, its answer written)."""
+
+    __slots__ = ("sock", "state", "since", "dropped")
+
+    def __init__(self, sock):
+        self.sock, self.state, self.since, self.dropped = sock, "idle", time.monotonic(), False
+
+
 class LimitedThreadingHTTPServer(ThreadingHTTPServer):
-    """A thread per connection, at most ``max_connections`` of them; one more gets a 503 + Retry-After at once."""
+    """A thread per connection, at most ``max_connections`` of them.
+
+    - A connection must deliver each request head (request line and headers) within ``header_timeout`` seconds of
+      its first byte, however it trickles, and a JSON body within as long again (:meth:`HubHandlerBase.
+      read_small_body`); an idle one is closed after ``timeout`` seconds of silence.
+    - At the cap, a new connection takes the slot of the connection that has been idle or sending its head the
+      longest (at least ``EVICT_AFTER`` seconds): slow or idle clients cannot starve others. Only when every slot
+      is handling a request is the newcomer answered 503 + Retry-After, at once.
+    - Request bodies buffered in memory (JSON) over SMALL_BODY bytes reserve their size from a server-wide budget
+      of ``body_budget`` bytes; over it, 503 + Retry-After instead of more memory.
+    - :meth:`drain` (at shutdown) closes idle and half-received connections and waits a bounded time for the
+      requests in progress."""
 
     daemon_threads = True
+    block_on_close = False  # shutdown must not wait for idle keep-alive connections (see drain)
     allow_reuse_address = True
     request_queue_size = 1024  # the listen backlog (the kernel caps it at net.core.somaxconn)
+    EVICT_AFTER = 1.0
 
-    def __init__(self, addr, handler, *, max_connections: int = 256, timeout: float = 30.0):
+    def __init__(self, addr, handler, *, max_connections: int = 256, timeout: float = 30.0,
+                 header_timeout: float = 10.0, max_json_bytes: int = MAX_JSON_BODY, body_budget: int = 32 << 20):
         self.max_connections = max_connections
         self.conn_timeout = timeout
+        self.header_timeout = header_timeout
+        self.max_json_bytes = max_json_bytes
+        self.body_budget = body_budget
+        self.buffered_bytes = 0
         self.active_connections = 0
         self.peak_connections = 0
         self.refused_connections = 0
+        self.dropped_connections = 0
+        self.conns: dict = {}
         self._count_lock = threading.Lock()
         super().__init__(addr, handler)
 
     def process_request(self, request, client_address):
+        try:  # answers go out at once (no Nagle wait for the ACK of the previous segment)
+            request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
+        victim = None
         with self._count_lock:
             full = self.active_connections >= self.max_connections
+            if full:
+                victim = self._victim()
+                if victim is not None:
+                    self._forget(victim)
+                    full = False
             if not full:
                 self.active_connections += 1
                 self.peak_connections = max(self.peak_connections, self.active_connections)
+                self.conns[request] = _Conn(request)
             else:
                 self.refused_connections += 1
+        if victim is not None:
+            self._drop(victim, "503 Service Unavailable", "The Hub server is at its connection limit and closed "
+                       "this unfinished request to serve another client. Retry.")
         if full:
             self._refuse(request)
             return
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self._release()
+            self._release(request)
             raise
 
     def process_request_thread(self, request, client_address):
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._release()
+            self._release(request)
 
-    def _release(self) -> None:
+    def _release(self, request) -> None:
         with self._count_lock:
-            self.active_connections -= 1
+            conn = self.conns.pop(request, None)
+            if conn is not None and not conn.dropped:
+                self.active_connections -= 1
+
+    def _forget(self, conn: _Conn) -> None:
+        """Under the lock: the connection no longer counts (its thread ends once _drop has shut its socket)."""
+        conn.dropped = True
+        self.active_connections -= 1
+        self.dropped_connections += 1
+
+    def _victim(self) -> _Conn | None:
+        """Under the lock: the connection idle or sending its head for longest, if that is over EVICT_AFTER s."""
+        now, best = time.monotonic(), None
+        for c in self.conns.values():
+            if (not c.dropped and c.state != "busy" and now - c.since >= self.EVICT_AFTER
+                    and (best is None or (c.state, c.since) < (best.state, best.since))):
+                best = c  # "head" < "idle": a trickling head goes before an idle keep-alive connection
+        return best
+
+    def set_state(self, sock, state: str) -> bool:
+        """Record what a connection does; False if it has been dropped (its handler must stop)."""
+        with self._count_lock:  # never races with the choice of a victim
+            conn = self.conns.get(sock)
+            if conn is None or conn.dropped:
+                return False
+            conn.state, conn.since = state, time.monotonic()
+            return True
+
+    def is_dropped(self, sock) -> bool:
+        conn = self.conns.get(sock)
+        return conn is None or conn.dropped
+
+    def service_actions(self) -> None:
+        """Every poll interval of serve_forever: drop connections whose request head is overdue."""
+        now, late = time.monotonic(), []
+        with self._count_lock:
+            for c in self.conns.values():
+                if not c.dropped and c.state == "head" and now - c.since > self.header_timeout:
+                    self._forget(c)
+                    late.append(c)
+        for c in late:
+            self._drop(c, "408 Request Timeout", f"The request head (request line and headers) did not arrive within "
+                       f"{self.header_timeout:g} s; send it at once.")
+
+    @staticmethod
+    def _drop(conn: _Conn, status: str, msg: str) -> None:
+        """Shut the connection: its handler thread sees the end of the stream and ends. A client that had started
+        a request is told why first (if its socket takes the answer without waiting); an idle keep-alive one is
+        closed silently, as HTTP allows, so that it never reads an answer to a request it has not sent."""
+        if conn.state == "idle":
+            try:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            return
+        body = json.dumps({"error": msg}).encode()
+        code = "RequestTimeout" if status.startswith("408") else "ServiceUnavailable"
+        head = (f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+                f"Retry-After: 1\r\nX-Error-Code: {code}\r\nX-Error-Message: {msg}\r\nConnection: close\r\n\r\n")
+        try:
+            conn.sock.send(head.encode() + body, socket.MSG_DONTWAIT)
+        except OSError:
+            pass
+        try:
+            conn.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def reserve_body(self, n: int) -> bool:
+        with self._count_lock:
+            if self.buffered_bytes + n > self.body_budget:
+                return False
+            self.buffered_bytes += n
+            return True
+
+    def release_body(self, n: int) -> None:
+        with self._count_lock:
+            self.buffered_bytes -= n
+
+    def drain(self, grace: float) -> int:
+        """At shutdown (after the listening socket is closed): close every connection that is not handling a
+        request, then wait up to ``grace`` seconds for those that are. Returns how many were still busy."""
+        deadline = time.monotonic() + grace
+        while True:
+            with self._count_lock:
+                quiet = [c for c in self.conns.values() if not c.dropped and c.state != "busy"]
+                for c in quiet:
+                    self._forget(c)
+                busy_left = sum(1 for c in self.conns.values() if not c.dropped)
+            for c in quiet:
+                self._drop(c, "503 Service Unavailable", "The Hub server is shutting down. Retry shortly.")
+            if not busy_left or time.monotonic() > deadline:
+                return busy_left
+            time.sleep(0.05)
 
     def _refuse(self, request) -> None:
         msg = f"The Hub server is at its limit of {self.max_connections} open connections. Retry shortly."
@@ -232,9 +411,8 @@ class LimitedThreadingHTTPServer(ThreadingHTTPServer):
         head = (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
                 f"Retry-After: 1\r\nX-Error-Code: ServiceUnavailable\r\nX-Error-Message: {msg}\r\n"
                 "Connection: close\r\n\r\n").encode()
-        try:
-            request.settimeout(1.0)
-            request.sendall(head + body)
+        try:  # never blocks the accepting thread: what the socket does not take at once is not sent
+            request.send(head + body, socket.MSG_DONTWAIT)
             request.shutdown(socket.SHUT_WR)
         except OSError:
             pass
@@ -251,6 +429,31 @@ class HubHandlerBase(BaseHTTPRequestHandler):
     def setup(self):
         self.timeout = self.server.conn_timeout  # per read and write on this connection
         super().setup()
+
+    def handle_one_request(self):
+        """Wait for the next request (idle: closed after --timeout of silence), then read its head under the
+        server's header deadline (:meth:`LimitedThreadingHTTPServer.service_actions`) and handle it."""
+        if not self.server.set_state(self.connection, "idle"):
+            self.close_connection = True
+            return
+        try:
+            first = self.rfile.peek(1)
+        except (TimeoutError, OSError):
+            first = b""
+        if not first or not self.server.set_state(self.connection, "head"):
+            self.close_connection = True
+            return
+        try:
+            super().handle_one_request()
+        except OSError:  # the client went away, or the server dropped the connection
+            self.close_connection = True
+
+    def send_error(self, code, message=None, explain=None):
+        """http.server's own errors (a malformed request line or header): not on a dropped connection."""
+        if self.server.is_dropped(self.connection):
+            self.close_connection = True
+            return
+        super().send_error(code, message, explain)
 
     def log_message(self, fmt, *args):
         if not getattr(self.server, "quiet", False):
@@ -277,7 +480,21 @@ class HubHandlerBase(BaseHTTPRequestHandler):
     def _dispatch(self, method: str) -> None:
         self.body: BodyReader | None = None
         self.answered = False
+        self.reserved = 0
+        if not self.server.set_state(self.connection, "busy"):
+            self.close_connection = True
+            return
         try:
+            self._dispatch_guarded(method)
+        finally:
+            if self.reserved:
+                self.server.release_body(self.reserved)
+                self.reserved = 0
+
+    def _dispatch_guarded(self, method: str) -> None:
+        try:
+            if self.headers.get("Content-Length") is not None or self.headers.get("Transfer-Encoding"):
+                BodyReader(self.rfile, self.headers, 1 << 62)  # malformed framing: 400 whatever the route
             segs, self.query = parse_target(self.path)
             self.route(method, segs)
         except HubError as e:
@@ -303,13 +520,45 @@ class HubHandlerBase(BaseHTTPRequestHandler):
 
     # ---------------------------------------------------------------- bodies
 
-    def body_reader(self, limit: int = MAX_JSON_BODY) -> BodyReader:
+    def body_reader(self, limit: int | None = None, option: str = "--max-json-bytes") -> BodyReader:
+        """The request's body, refused (413) over ``limit`` bytes (default: the server's --max-json-bytes)."""
         if self.body is None:
-            self.body = BodyReader(self.rfile, self.headers, limit)
+            self.body = BodyReader(self.rfile, self.headers, limit or self.server.max_json_bytes, option)
         return self.body
 
-    def json_body(self, required: bool = False) -> dict:
-        data = self.body_reader().read_all()
+    def read_small_body(self, limit: int | None = None) -> bytes:
+        """The whole body, to be parsed in memory: within ``limit``, and over SMALL_BODY bytes only if the server's
+        budget for buffered bodies has room for it (else 503 + Retry-After)."""
+        reader = self.body_reader(limit)
+        need = reader.limit if reader.remaining is None else reader.remaining
+        if need > SMALL_BODY and not self.reserved:
+            if not self.server.reserve_body(need):
+                self.close_connection = True
+                raise busy("The Hub server is busy reading other large request bodies; nothing was done. Retry "
+                           "shortly.")
+            self.reserved = need
+        # the whole body within --header-timeout, however it trickles: such bodies are small, and a client that
+        # sends one byte at a time would otherwise keep its slot busy (and out of reach of the slot takeover)
+        deadline, parts = time.monotonic() + self.server.header_timeout, []
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                self.connection.settimeout(left)
+                chunk = reader.read(1 << 16)
+                if not chunk:
+                    return b"".join(parts)
+                parts.append(chunk)
+        except TimeoutError:
+            self.close_connection = True
+            raise HubError(408, f"The request body did not arrive within {self.server.header_timeout:g} s; send it "
+                                "at once. Nothing was done.", "RequestTimeout") from None
+        finally:
+            self.connection.settimeout(self.server.conn_timeout)
+
+    def json_body(self, required: bool = False, limit: int | None = None) -> dict:
+        data = self.read_small_body(limit)
         if not data.strip():
             if required:
                 raise HubError(400, "Expected a JSON object in the request body.")
@@ -350,8 +599,15 @@ class HubHandlerBase(BaseHTTPRequestHandler):
             self.send_header(k, v)
         if self.close_connection:
             self.send_header("Connection", "close")
-        self.end_headers()
-        if self.command != "HEAD":
+        self._headers_buffer.append(b"\r\n")
+        head = b"".join(self._headers_buffer)
+        self._headers_buffer = []
+        if self.command == "HEAD":
+            self.wfile.write(head)
+        elif len(body) <= SMALL_BODY:  # one write: head and body in one segment
+            self.wfile.write(head + body)
+        else:
+            self.wfile.write(head)
             self.wfile.write(body)
 
     def send_json(self, obj, status: int = 200, headers: dict | None = None) -> None:

@@ -31,8 +31,9 @@ MAX_COMPONENT_BYTES = 255
 MAX_REF_BYTES = 255
 MAX_REF_COMPONENT_BYTES = 200
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?$")
-HEX40_RE = re.compile(r"^[0-9a-f]{40}$")
+# every pattern here is applied with fullmatch: '$' would also match before a final newline ("x\n")
+_NAME_RE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?")
+HEX40_RE = re.compile(r"[0-9a-fA-F]{40}")  # a commit id, in either case: never a branch or tag name
 _REF_FORBIDDEN = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]")
 
 
@@ -44,7 +45,7 @@ def validate_repo_type(repo_type: object) -> str:
 
 def validate_name_part(part: object, what: str) -> str:
     """A namespace or repo name: huggingface_hub's rules, ASCII only, starting and ending with a letter or digit."""
-    if (not isinstance(part, str) or not _NAME_RE.match(part) or ".." in part or "--" in part
+    if (not isinstance(part, str) or not _NAME_RE.fullmatch(part) or ".." in part or "--" in part
             or part.lower().endswith(".git")):
         raise HubError(400, f"Invalid {what} {part!r}: use 1-96 letters, digits, '-', '_' or '.', starting and ending "
                             "with a letter or digit, without '--' or '..' and not ending in '.git'.")
@@ -68,10 +69,22 @@ def validate_repo_id(repo_id: object) -> str:
     return repo_id
 
 
+def utf8_ok(s: str) -> bool:
+    """Whether s is valid Unicode text (no lone surrogates such as '\\ud800', which JSON can carry but UTF-8,
+    git and file systems cannot)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _path_problem(p: str) -> str | None:
     if not p:
         return "it is empty"
-    if len(p.encode("utf-8", "surrogatepass")) > MAX_PATH_BYTES:
+    if not utf8_ok(p):
+        return "it is not valid Unicode (it has a lone surrogate)"
+    if len(p.encode("utf-8")) > MAX_PATH_BYTES:
         return f"it is longer than {MAX_PATH_BYTES} bytes"
     if p.startswith("/"):
         return "it is absolute (starts with '/')"
@@ -89,7 +102,7 @@ def _path_problem(p: str) -> str | None:
             return f"the component {comp!r} starts or ends with white space"
         if comp.rstrip(". ").lower() == ".git":
             return "it has a '.git' component"
-        if len(comp.encode("utf-8", "surrogatepass")) > MAX_COMPONENT_BYTES:
+        if len(comp.encode("utf-8")) > MAX_COMPONENT_BYTES:
             return f"a component is longer than {MAX_COMPONENT_BYTES} bytes"
     return None
 
@@ -109,7 +122,7 @@ def validate_path(path: object, *, folder: bool = False) -> str:
 
 def ref_name_ok(name: str) -> bool:
     """git check-ref-format's rules for ``refs/heads/<name>``, and the limits above."""
-    if not name or name == "@" or "@{" in name or ".." in name or _REF_FORBIDDEN.search(name):
+    if not name or name == "@" or "@{" in name or ".." in name or _REF_FORBIDDEN.search(name) or not utf8_ok(name):
         return False
     if len(name.encode()) > MAX_REF_BYTES or name.endswith((".", "/")) or name.startswith("/"):
         return False
@@ -129,8 +142,8 @@ def validate_ref_name(name: object, kind: str = "branch") -> str:
         bad = "it starts with '-'"
     elif name.startswith("refs/") or name == "HEAD":
         bad = "'refs/...' and 'HEAD' are reserved"
-    elif HEX40_RE.match(name):
-        bad = "it looks like a commit id"
+    elif HEX40_RE.fullmatch(name):
+        bad = "it looks like a commit id (40 hex digits, in any case), so revisions could not tell them apart"
     elif not ref_name_ok(name):
         bad = ("git's ref-name rules reject it (no spaces, control characters, '..', '~', '^', ':', '?', '*', '[', "
                f"'\\\\', '@{{', '@' alone, components starting with '.' or ending in '.lock', at most "
@@ -140,14 +153,34 @@ def validate_ref_name(name: object, kind: str = "branch") -> str:
     return name
 
 
+_TEXT_FORBIDDEN = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")  # C0 controls but tab, LF and CR; DEL
+
+
+def validate_text(text: object, what: str) -> str:
+    """Commit summaries and descriptions, tag messages: git stores them, and every later read (the commit listing,
+    ``git log``) must be able to serve them, so they are valid Unicode without NUL or other control characters
+    (tab, line feed and carriage return are fine)."""
+    if not isinstance(text, str):
+        raise HubError(400, f"Invalid {what}: expected a string.")
+    bad = None
+    if not utf8_ok(text):
+        bad = "it is not valid Unicode (it has a lone surrogate such as '\\ud800')"
+    elif m := _TEXT_FORBIDDEN.search(text):
+        bad = f"it contains the control character {m.group()!r} at position {m.start()}"
+    if bad:
+        raise HubError(400, f"Invalid {what}: {bad}. Send plain UTF-8 text (tabs and line breaks are fine).")
+    return text
+
+
 def revision_candidates(repo_id: str, rev: object) -> list[str]:
     """The full refs (or the commit id) a client's revision may name, in the Hub's order: branch, then tag.
 
     Raises RevisionNotFound for anything that cannot name a revision at all (control characters, git revision
     syntax like ``v1^{tree}``, option-like names)."""
-    if not isinstance(rev, str) or not rev or any(ord(c) < 32 or ord(c) == 127 for c in rev):
+    if (not isinstance(rev, str) or not rev or any(ord(c) < 32 or ord(c) == 127 for c in rev)
+            or not utf8_ok(rev)):
         raise revision_not_found(repo_id, str(rev))
-    if HEX40_RE.match(rev.lower()):
+    if HEX40_RE.fullmatch(rev):
         return [rev.lower()]
     for prefix in ("refs/heads/", "refs/tags/"):
         if rev.startswith(prefix):

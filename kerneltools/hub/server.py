@@ -29,13 +29,13 @@ import sys
 import threading
 import time
 from pathlib import Path
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, quote, urlsplit
 
 import kerneltools.hub.auth as auth
 from .errors import HubError, entry_not_found, forbidden, unauthorized
-from .http import HubHandlerBase, LimitedThreadingHTTPServer, loads_json, write_request_problem
+from .http import MAX_JSON_BODY, HubHandlerBase, LimitedThreadingHTTPServer, loads_json, write_request_problem
 from .names import DEFAULT_BRANCH, REPO_TYPES, validate_name_part, validate_namespace, validate_path, \
-    validate_ref_name, validate_repo_id
+    validate_ref_name, validate_repo_id, validate_text
 from .storage import CRASH_ENV, GitStore, Repo, format_date, maybe_crash
 from .upload import read_commit_payload
 
@@ -43,6 +43,17 @@ DEFAULT_TRUSTED_ORGS = ("geglu-kernels",)
 DEFAULT_MAX_COMMIT_BYTES = 2 * 1024**3
 DEFAULT_MAX_CONNECTIONS = 256
 DEFAULT_TIMEOUT = 30.0
+DEFAULT_HEADER_TIMEOUT = 10.0
+DEFAULT_SHUTDOWN_GRACE = 2.0
+# work per request (docs/hub-server.md, "Limits and timeouts")
+MAX_PATHS_PER_CALL = 1000  # paths-info paths, preupload files
+TREE_PAGE = 1000  # entries per page of a tree listing, as huggingface.co pages them (?cursor= goes on)
+COMMITS_PAGE = 50  # the commit listing's default page, as on huggingface.co (?limit= up to MAX_COMMITS_PAGE)
+MAX_COMMITS_PAGE = 1000
+MAX_COMMITS_PAGE_BYTES = 1 << 20  # a page ends early rather than grow past this (Link: rel="next" goes on)
+MAX_YAML_BYTES = 256 << 10  # README front matter checked by validate-yaml
+MAX_YAML_DEPTH = 64
+MAX_YAML_EVENTS = 10_000  # parser events (scalars, mapping and sequence starts and ends, aliases)
 DEFAULT_STALE_LOCK_SECONDS = 5.0
 _TYPE_BY_PLURAL = {f"{t}s": t for t in REPO_TYPES}
 _URL_PREFIX = {"model": "", "dataset": "datasets/", "space": "spaces/", "kernel": "kernels/"}
@@ -61,12 +72,14 @@ _REPO_OPS = {
 class HubHTTPServer(LimitedThreadingHTTPServer):
     def __init__(self, addr, store: GitStore, *, quiet: bool = False,
                  max_commit_bytes: int = DEFAULT_MAX_COMMIT_BYTES, max_connections: int = DEFAULT_MAX_CONNECTIONS,
-                 timeout: float = DEFAULT_TIMEOUT, public_url: str | None = None):
+                 timeout: float = DEFAULT_TIMEOUT, public_url: str | None = None,
+                 header_timeout: float = DEFAULT_HEADER_TIMEOUT, max_json_bytes: int = MAX_JSON_BODY):
         self.store = store
         self.auth = auth.AuthFile(store.root)
         self.quiet = quiet
         self.max_commit_bytes = max_commit_bytes
-        super().__init__(addr, HubRequestHandler, max_connections=max_connections, timeout=timeout)
+        super().__init__(addr, HubRequestHandler, max_connections=max_connections, timeout=timeout,
+                         header_timeout=header_timeout, max_json_bytes=max_json_bytes)
         host, port = self.server_address[:2]
         # every URL the server returns is built from this, never from the request's Host header
         self.url = (public_url or f"http://{host}:{port}").rstrip("/")
@@ -219,22 +232,56 @@ class HubRequestHandler(HubHandlerBase):
         sha = repo.resolve(args[0])
         path = validate_path("/".join(args[1:]), folder=True) if len(args) > 1 else ""
         recursive = self.query.get("recursive", "").lower() in ("1", "true", "yes")
-        self.send_json([e.to_json() for e in repo.list_tree(sha, path, recursive)])
+        skip = _query_int(self.query, "cursor", 0, 0, 10**12)
+        entries, more = repo.list_tree(sha, path, recursive, skip=skip, limit=TREE_PAGE)
+        headers = {}
+        if more:  # as huggingface.co pages tree listings: the next page's URL in a Link header
+            where = sha + (f"/{quote(path, safe='/')}" if path else "")
+            api = f"{self.server.url}/api/{repo.repo_type}s/{repo.repo_id}/tree/{where}"
+            headers["Link"] = (f'<{api}?recursive={str(recursive).lower()}&cursor={skip + len(entries)}>; '
+                               'rel="next"')
+        self.send_json([e.to_json() for e in entries], headers=headers)
 
     def _commits(self, repo: Repo, args: list[str]) -> None:
-        self.send_json(repo.log(repo.resolve(args[0])))
+        """One page of the history, newest first. As on huggingface.co: ``?limit=`` (default 50, at most 1000)
+        and ``?p=`` (page number, from 0); the next page, if any, is in ``Link: <...>; rel="next"``. A page also
+        ends early once it holds MAX_COMMITS_PAGE_BYTES of JSON; its next link then says where to go on
+        (``?skip=``, which this server also accepts). Next links name the commit listed from, so pages stay
+        consistent while the branch moves."""
+        sha = repo.resolve(args[0])
+        limit = min(_query_int(self.query, "limit", COMMITS_PAGE, 1, 10**9), MAX_COMMITS_PAGE)
+        if "skip" in self.query:
+            skip = _query_int(self.query, "skip", 0, 0, 10**12)
+        else:
+            skip = _query_int(self.query, "p", 0, 0, 10**9) * limit
+        commits, more = repo.log_page(sha, skip, limit, MAX_COMMITS_PAGE_BYTES)
+        headers = {}
+        if more:
+            nxt = skip + len(commits)
+            where = f"p={nxt // limit}" if nxt % limit == 0 else f"skip={nxt}"
+            api = f"{self.server.url}/api/{repo.repo_type}s/{repo.repo_id}/commits/{sha}"
+            headers["Link"] = f'<{api}?{where}&limit={limit}>; rel="next"'
+        self.send_json(commits, headers=headers)
 
     def _paths_info(self, repo: Repo, args: list[str]) -> None:
         sha = repo.resolve(args[0])
-        data = self.body_reader().read_all()
+        data = self.read_small_body()
+        too_many = HubError(413, f"paths-info takes at most {MAX_PATHS_PER_CALL} paths per call; split the list "
+                                 "into several calls.")
         if "json" in (self.headers.get("Content-Type") or ""):
             obj = loads_json(data)
             paths = obj.get("paths", []) if isinstance(obj, dict) else None
         else:
-            paths = parse_qs(data.decode(errors="replace")).get("paths", [])
+            try:  # stops counting past the limit (a 4 MB body of 'paths=a&...' is never split whole)
+                form = parse_qs(data.decode(errors="replace"), max_num_fields=MAX_PATHS_PER_CALL + 8)
+                paths = form.get("paths", [])
+            except ValueError:
+                raise too_many from None
         paths = [paths] if isinstance(paths, str) else paths
         if not isinstance(paths, list):
             raise HubError(400, "paths-info expects {'paths': [...]}.")
+        if len(paths) > MAX_PATHS_PER_CALL:
+            raise too_many
         paths = [validate_path(p, folder=True) for p in paths]
         self.send_json([e.to_json() for e in repo.lookup(sha, paths) if e is not None])
 
@@ -306,6 +353,9 @@ class HubRequestHandler(HubHandlerBase):
         files = self.json_body(required=True).get("files")
         if not isinstance(files, list) or not all(isinstance(f, dict) for f in files):
             raise HubError(400, "preupload expects {'files': [{'path', 'sample', 'size'}, ...]}.")
+        if len(files) > MAX_PATHS_PER_CALL:
+            raise HubError(413, f"preupload takes at most {MAX_PATHS_PER_CALL} files per call (huggingface_hub sends "
+                                "256); split the list into several calls.")
         paths = [validate_path(f.get("path")) for f in files]
         entries = repo.lookup(sha, paths)
         self.send_json({"files": [
@@ -346,8 +396,8 @@ class HubRequestHandler(HubHandlerBase):
     def _tag_create(self, repo: Repo, args: list[str]) -> None:
         body = self.json_body(required=True)
         tag, message = body.get("tag"), body.get("message")
-        if message is not None and not isinstance(message, str):
-            raise HubError(400, "Tag message must be a string.")
+        if message is not None:
+            validate_text(message, "tag message")
         repo.create_tag(tag, args[0], message, user=self.ident.user)
         self.send_json({})
 
@@ -363,15 +413,47 @@ def _check_repo_id(repo_id: str) -> None:
         raise HubError(404, f"Repository not found: '{repo_id}' is not a valid repo id.", "RepoNotFound") from None
 
 
+def _query_int(query: dict, key: str, default: int, lo: int, hi: int) -> int:
+    raw = query.get(key)
+    if raw is None or raw == "":
+        return default
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 13) or not lo <= int(raw) <= hi:
+        raise HubError(400, f"Invalid query parameter {key}={raw[:40]!r}: expected a whole number from {lo} to {hi}.")
+    return int(raw)
+
+
 def _yaml_errors(front_matter: str) -> list[dict]:
+    """Problems of a card's YAML front matter, checked with bounded work: at most MAX_YAML_BYTES, parsed first as
+    events only (MAX_YAML_EVENTS, MAX_YAML_DEPTH levels) and only then loaded. Whatever the loader raises on a bad
+    value (a date like 2020-13-45, '!!int abc', an integer of 100,000 digits) is reported, never a 500."""
     try:
         import yaml  # optional: without PyYAML the front matter is not checked
     except ImportError:
         return []
+    size = len(front_matter.encode("utf-8", "surrogatepass"))
+    if size > MAX_YAML_BYTES:
+        raise HubError(413, f"The YAML front matter is {size} bytes, over this server's limit of {MAX_YAML_BYTES} "
+                            "bytes. Keep card metadata short (long text belongs in the card's body).")
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
     try:
-        meta = yaml.safe_load(front_matter)
-    except (yaml.YAMLError, RecursionError) as ex:
+        depth = events = 0
+        for ev in yaml.parse(front_matter, Loader=loader):
+            events += 1
+            if isinstance(ev, yaml.CollectionStartEvent):
+                depth += 1
+                if depth > MAX_YAML_DEPTH:
+                    return [{"message": f"YAML front matter is nested more than {MAX_YAML_DEPTH} levels deep."}]
+            elif isinstance(ev, yaml.CollectionEndEvent):
+                depth -= 1
+            if events > MAX_YAML_EVENTS:
+                return [{"message": f"YAML front matter has more than {MAX_YAML_EVENTS} values; keep card metadata "
+                                    "short."}]
+        meta = yaml.load(front_matter, Loader=loader)
+    except yaml.YAMLError as ex:
         return [{"message": f"Invalid YAML front matter: {ex}"}]
+    except (ValueError, TypeError, AttributeError, OverflowError, RecursionError, UnicodeError) as ex:
+        # the loader's constructors raise these for values that do not convert (dates, ints, tagged scalars)
+        return [{"message": f"Invalid YAML front matter: a value cannot be read ({type(ex).__name__}: {ex})."}]
     return [] if meta is None or isinstance(meta, dict) else [{"message": "YAML front matter must be a mapping."}]
 
 
@@ -404,11 +486,12 @@ def _parse_range(header: str, size: int):
 def make_server(root, host: str = "127.0.0.1", port: int = 0, *, quiet: bool = False,
                 max_commit_bytes: int = DEFAULT_MAX_COMMIT_BYTES, max_connections: int = DEFAULT_MAX_CONNECTIONS,
                 timeout: float = DEFAULT_TIMEOUT, public_url: str | None = None,
-                stale_lock_seconds: float = DEFAULT_STALE_LOCK_SECONDS) -> HubHTTPServer:
+                stale_lock_seconds: float = DEFAULT_STALE_LOCK_SECONDS, header_timeout: float = DEFAULT_HEADER_TIMEOUT,
+                max_json_bytes: int = MAX_JSON_BODY) -> HubHTTPServer:
     """A bound (not yet serving) server; port 0 binds a free port, ``.url`` says which."""
     return HubHTTPServer((host, port), GitStore(root, stale_lock_seconds=stale_lock_seconds), quiet=quiet,
                          max_commit_bytes=max_commit_bytes, max_connections=max_connections, timeout=timeout,
-                         public_url=public_url)
+                         public_url=public_url, header_timeout=header_timeout, max_json_bytes=max_json_bytes)
 
 
 def provision(root, trusted_orgs=DEFAULT_TRUSTED_ORGS, write_orgs=None, user: str = "publisher") -> str:
@@ -538,7 +621,8 @@ class HubProcess:
 def _thread_options(server_args: list[str]) -> dict:
     ns = _serve_options(argparse.ArgumentParser()).parse_args(server_args)
     return dict(max_commit_bytes=ns.max_commit_bytes, max_connections=ns.max_connections, timeout=ns.timeout,
-                stale_lock_seconds=ns.stale_lock_seconds)
+                stale_lock_seconds=ns.stale_lock_seconds, header_timeout=ns.header_timeout,
+                max_json_bytes=ns.max_json_bytes)
 
 
 @contextlib.contextmanager
@@ -576,6 +660,15 @@ def _serve_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
                    help=f"seconds a connection may stay silent, idle or mid-request (default {DEFAULT_TIMEOUT:g}); "
                         "a stalled body gets 408")
+    p.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT,
+                   help="seconds a client has to send a request's line and headers once it has started, and "
+                        f"then a JSON body (default {DEFAULT_HEADER_TIMEOUT:g}); a slower one gets 408 and is closed")
+    p.add_argument("--max-json-bytes", type=int, default=MAX_JSON_BODY,
+                   help=f"largest accepted JSON request body (default {MAX_JSON_BODY >> 20} MiB: create, preupload, "
+                        "paths-info, branch, tag, validate-yaml); larger ones get 413")
+    p.add_argument("--shutdown-grace", type=float, default=DEFAULT_SHUTDOWN_GRACE,
+                   help="seconds that requests in progress get to finish after SIGTERM or Ctrl-C (default "
+                        f"{DEFAULT_SHUTDOWN_GRACE:g}); idle connections are closed at once")
     p.add_argument("--stale-lock-seconds", type=float, default=DEFAULT_STALE_LOCK_SECONDS,
                    help="age after which a git ref lock that no server process holds is removed (default "
                         f"{DEFAULT_STALE_LOCK_SECONDS:g}; docs/hub-server.md)")
@@ -602,7 +695,8 @@ def main(args) -> int:
     try:
         server = make_server(args.root, args.host, args.port, quiet=args.quiet, max_commit_bytes=args.max_commit_bytes,
                              max_connections=args.max_connections, timeout=args.timeout, public_url=args.public_url,
-                             stale_lock_seconds=args.stale_lock_seconds)
+                             stale_lock_seconds=args.stale_lock_seconds, header_timeout=args.header_timeout,
+                             max_json_bytes=args.max_json_bytes)
         cfg = server.auth.current()
     except OSError as e:
         print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror or e}. Pick another --port "
@@ -622,23 +716,39 @@ def main(args) -> int:
         tmp.write_text("http://%s:%d" % server.server_address[:2])
         os.replace(tmp, args.url_file)
 
-    def _term(*_):
-        raise KeyboardInterrupt
+    def _term(*_):  # serve_forever returns within one poll interval; shutdown() must run in another thread
+        threading.Thread(target=server.shutdown, daemon=True).start()
 
     signal.signal(signal.SIGTERM, _term)
+    signal.signal(signal.SIGINT, _term)
     try:
         server.serve_forever()
-    except KeyboardInterrupt:
-        pass
     finally:
-        server.server_close()
-        _report_usage(server)
+        server.server_close()  # no new connections
+        # idle connections close now; requests in progress get --shutdown-grace seconds. A commit cut short after
+        # that was never acknowledged and stored nothing (its ref moves in one update-ref, or not at all); every
+        # acknowledged one is on disk already (core.fsync).
+        left = server.drain(args.shutdown_grace)
+        _report_usage(server, left)
     return 0
 
 
-def _report_usage(server: HubHTTPServer) -> None:
+def _peak_rss_kib(fallback: int) -> int:
+    """This process's own peak RSS (VmHWM). ru_maxrss is not: Linux carries into it, at exec, the RSS of the
+    process that forked this one (a test runner's hundreds of MB)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return fallback
+
+
+def _report_usage(server: HubHTTPServer, busy_at_exit: int = 0) -> None:
     """Peak memory and connections, on stderr at shutdown (the load tests read them from the log)."""
     me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    print(f"hub-usage: peak_rss_kib={me.ru_maxrss} peak_child_rss_kib={kids.ru_maxrss} "
-          f"peak_connections={server.peak_connections} refused_connections={server.refused_connections}",
+    print(f"hub-usage: peak_rss_kib={_peak_rss_kib(me.ru_maxrss)} peak_child_rss_kib={kids.ru_maxrss} "
+          f"peak_connections={server.peak_connections} refused_connections={server.refused_connections} "
+          f"dropped_connections={server.dropped_connections} busy_at_exit={busy_at_exit}",
           file=sys.stderr, flush=True)

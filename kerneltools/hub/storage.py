@@ -61,7 +61,7 @@ from .names import (
 
 ZERO_OID = "0" * 40
 SERVER_USER = "hub-server"  # the author of the initial commit of new repos
-_PARENT_RE = re.compile(r"^[0-9a-fA-F]{5,40}$")
+_PARENT_RE = re.compile(r"[0-9a-fA-F]{5,40}")  # fullmatch
 _LOCK_EXISTS_RE = re.compile(r"Unable to create '([^']+\.lock)': File exists")
 # test-only fault injection (see docs/hub-server.md): crash the server process at a named point of a commit
 CRASH_ENV = "KERNELTOOLS_HUB_CRASH_AT"
@@ -346,17 +346,52 @@ class Repo:
     def commit_time(self, sha: str) -> int:
         return int(self.git("show", "-s", "--format=%ct", sha).decode().strip())
 
-    def log(self, sha: str, limit: int = 1000) -> list[dict]:
-        out = self.git("log", f"--max-count={limit}", "--format=%H%x1f%an%x1f%ct%x1f%s%x1f%B%x1e", sha).decode()
-        commits = []
-        for rec in out.split("\x1e"):
-            rec = rec.strip("\n")
-            if not rec:
-                continue
-            h, author, ct, subject, body = rec.split("\x1f")
-            commits.append({"id": h, "title": subject, "message": body.strip(), "date": format_date(int(ct)),
-                            "authors": [{"user": author}]})
-        return commits
+    def log_page(self, sha: str, skip: int, limit: int, max_bytes: int) -> tuple[list[dict], bool]:
+        """One page of the history of ``sha``, newest first: at most ``limit`` commits after the first ``skip``,
+        and at most about ``max_bytes`` of JSON (at least one commit; a single message longer than that is cut,
+        and says so). Returns the commits and whether more follow.
+
+        Commit objects are read raw (``rev-list`` + ``cat-file --batch``) and parsed here, so any bytes a commit
+        message holds (control characters, invalid UTF-8, made by hand) are served, never a 500, and a huge
+        message is never read whole into memory."""
+        ids = self.git("rev-list", f"--skip={skip}", f"--max-count={limit + 1}", sha).decode().split()
+        more = len(ids) > limit
+        ids = ids[:limit]
+        if not ids:
+            return [], False
+        proc = subprocess.Popen(git_command(self.path, "cat-file", "--batch"), stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=git_env(), cwd=str(self.path))
+        commits, used = [], 0
+        try:  # at most 1000 ids of 41 bytes: they fit in the pipe whatever cat-file has not read yet
+            proc.stdin.write("".join(f"{i}\n" for i in ids).encode())
+            proc.stdin.close()
+            for oid in ids:
+                head = proc.stdout.readline().split()
+                if len(head) != 3 or head[1] != b"commit":
+                    raise GitFailed(("cat-file", "--batch"), 0, b"unexpected answer " + b" ".join(head)[:100])
+                size = int(head[2])
+                cap = max(1024, max_bytes - used)
+                raw = proc.stdout.read(min(size, cap))
+                left = size - len(raw)
+                while left > 0 and (got := proc.stdout.read(min(left, 1 << 20))):
+                    left -= len(got)
+                proc.stdout.read(1)  # the newline after each object
+                entry = _commit_entry(oid, raw, size - len(raw))
+                n = len(json.dumps(entry))
+                while n > max_bytes and len(raw) > 1024:  # a message whose JSON (escapes) outgrows a page
+                    raw = raw[:int(len(raw) * max_bytes / n * 0.9)]
+                    entry = _commit_entry(oid, raw, size - len(raw))
+                    n = len(json.dumps(entry))
+                if commits and used + n > max_bytes:
+                    more = True
+                    break
+                commits.append(entry)
+                used += n
+        finally:
+            proc.stdout.close()
+            proc.kill()
+            proc.wait()
+        return commits, more
 
     # ---------------------------------------------------------------- reading trees and blobs
 
@@ -376,7 +411,12 @@ class Repo:
                 result.append(None)
         return result
 
-    def list_tree(self, sha: str, path: str = "", recursive: bool = False) -> list[Entry]:
+    def list_tree(self, sha: str, path: str = "", recursive: bool = False, skip: int = 0,
+                  limit: int | None = None) -> tuple[list[Entry], bool]:
+        """The entries of the folder ``path`` at ``sha`` (every entry below it with ``recursive``), in git's order:
+        at most ``limit`` after the first ``skip``, and whether more follow. ``ls-tree``'s output is read as it
+        streams and the call stops once the page is full, so a page costs the work of the entries up to it, never
+        the whole listing of a huge tree."""
         if path:
             entry = self.lookup(sha, [path])[0]
             if entry is None or entry.type != "directory":
@@ -385,17 +425,38 @@ class Repo:
         else:
             tree, prefix = f"{sha}^{{tree}}", ""
         args = ["ls-tree", "-l", "-z"] + (["-r", "-t"] if recursive else []) + [tree]
-        entries = []
-        for rec in self.git(*args).decode().split("\0"):
-            if not rec:
-                continue
-            meta, name = rec.split("\t", 1)
-            mode, typ, oid, size = meta.split()
-            if typ == "tree":
-                entries.append(Entry("directory", prefix + name, oid, 0))
-            elif typ == "blob":
-                entries.append(Entry("file", prefix + name, oid, int(size)))
-        return entries
+        proc = subprocess.Popen(git_command(self.path, *args), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                env=git_env(), cwd=str(self.path))
+        entries, seen, more, buf = [], 0, False, b""
+        try:
+            while not more:
+                chunk = proc.stdout.read(1 << 16)
+                if not chunk:
+                    break
+                *records, buf = (buf + chunk).split(b"\0")
+                for rec in records:
+                    if limit is not None and len(entries) >= limit:
+                        more = True
+                        break
+                    meta, name = rec.decode("utf-8", "replace").split("\t", 1)
+                    mode, typ, oid, size = meta.split()
+                    if typ not in ("tree", "blob"):
+                        continue  # submodules (commits) are not files of a Hub repository
+                    seen += 1
+                    if seen <= skip:
+                        continue
+                    if typ == "tree":
+                        entries.append(Entry("directory", prefix + name, oid, 0))
+                    else:
+                        entries.append(Entry("file", prefix + name, oid, int(size)))
+        finally:
+            if more:
+                proc.kill()
+            proc.stdout.close()
+            rc = proc.wait()
+        if not more and rc != 0:
+            raise GitFailed(tuple(args), rc, b"")
+        return entries, more
 
     def all_files(self, sha: str) -> list[str]:
         out = self.git("ls-tree", "-r", "-z", "--name-only", sha).decode()
@@ -477,7 +538,7 @@ class Repo:
         """Commit ops on top of branch rev, atomically, as ``user``; ``files`` are the contents of the "add" ops
         without a blob, in order. With parent_commit, 412 unless the branch head is it; without, a branch moved by
         a writer outside the server makes this one rebuild on the new head."""
-        if parent_commit is not None and not (isinstance(parent_commit, str) and _PARENT_RE.match(parent_commit)):
+        if parent_commit is not None and not (isinstance(parent_commit, str) and _PARENT_RE.fullmatch(parent_commit)):
             raise HubError(400, f"Invalid parentCommit {parent_commit!r}: expected a commit id (5-40 hex digits).")
         ref = self.branch_ref(rev)
         message = summary.strip() + ("\n\n" + description.strip() if description and description.strip() else "")
@@ -583,6 +644,25 @@ class Repo:
     def delete_tag(self, tag: str, user: str = SERVER_USER) -> None:
         validate_ref_name(tag, "tag")
         self._delete_ref(f"refs/tags/{tag}", tag, "Tag", user)
+
+
+def _commit_entry(oid: str, raw: bytes, cut: int) -> dict:
+    """The Hub's commit listing entry for a raw git commit object (``cut`` bytes of it were not read)."""
+    head, _, message = raw.partition(b"\n\n")
+    author, when = "", 0
+    for line in head.split(b"\n"):
+        if line.startswith(b"author "):
+            author = line[len(b"author "):].split(b" <", 1)[0].decode("utf-8", "replace")
+        elif line.startswith(b"committer "):
+            parts = line.rsplit(b" ", 2)
+            when = int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else 0
+    ws = " \t\r\n"  # not str.strip()/splitlines(): they also take \x1c-\x1f, which a message may hold
+    text = message.decode("utf-8", "replace").strip(ws)
+    if cut:
+        text += f"\n\n[... {cut} more bytes of this commit message are not shown]"
+    paragraph = text.split("\n\n", 1)[0] if text else ""
+    title = " ".join(line.strip(ws) for line in paragraph.split("\n") if line.strip(ws))  # git's %s
+    return {"id": oid, "title": title, "message": text, "date": format_date(when), "authors": [{"user": author}]}
 
 
 def _apply_ops(repo_id: str, before: dict[str, str], ops: list[CommitOp]) -> dict[str, str]:

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import HubError
-from .http import MAX_JSON_DEPTH, BodyReader, depth_over
-from .names import validate_path
+from .http import MAX_JSON_DEPTH, BodyReader, json_problem
+from .names import utf8_ok, validate_path, validate_text
 from .storage import CommitOp
 
 READ_SIZE = 1 << 18
@@ -267,9 +267,12 @@ class _LongLine:
 
     def _decode(self, raw: bytes) -> str:
         try:
-            return json.loads(b'"' + raw + b'"')
+            text = json.loads(b'"' + raw + b'"')
         except ValueError as e:
             raise self._error(f"bad string: {e}") from None
+        if not text.isascii() and not utf8_ok(text):
+            raise self._error("a string is not valid Unicode (a lone surrogate such as '\\ud800')")
+        return text
 
 
 @dataclass
@@ -316,8 +319,9 @@ def _loads_line(line: bytes, lineno: int):
         why = "nested too deeply" if isinstance(e, RecursionError) else str(e)
         raise _malformed(f"line {lineno} is not valid JSON (expected application/x-ndjson, one JSON object per line; "
                          f"{why}).") from None
-    if depth_over(item, MAX_JSON_DEPTH):
-        raise _malformed(f"line {lineno} is nested more than {MAX_JSON_DEPTH} levels deep.")
+    problem = json_problem(item, MAX_JSON_DEPTH)
+    if problem:
+        raise _malformed(f"line {lineno} is refused: {problem}.")
     return item
 
 
@@ -333,6 +337,8 @@ def _add_item(out: Payload, item, lineno: int, sink: Path, on_header) -> None:
             raise _malformed("header.summary (the commit title) is required.")
         if not isinstance(desc, str):
             raise _malformed("header.description must be a string.")
+        validate_text(summary, "commit summary (header.summary)")
+        validate_text(desc, "commit description (header.description)")
         out.header = value
         on_header()
         return

@@ -124,8 +124,10 @@ def test_idle_connections_are_closed(hub):
 def test_connection_cap_answers_503_with_retry_after(hub):
     held = [_connect(hub) for _ in range(MAX_CONNECTIONS)]
     try:
-        for s in held:  # each is being served (a request line without the rest keeps its thread busy)
-            s.sendall(b"GET /api/kernels/")
+        for s in held:  # each is being served: a commit whose body is still coming (an unfinished request head
+            # would not do: its slot goes to a newer connection, test_hub_abuse.py)
+            s.sendall(_head(hub, f"Content-Length: {len(BODY)}\r\n") + BODY[:10])
+        time.sleep(0.2)
         with _connect(hub) as extra:
             extra.sendall(f"GET /api/kernels/{REPO}/refs HTTP/1.1\r\nHost: x\r\n\r\n".encode())
             reply = _reply(extra)

@@ -14,6 +14,7 @@ import json
 import os
 import random
 import shutil
+import statistics
 import subprocess
 import threading
 import time
@@ -356,3 +357,167 @@ def test_full_disk(small_tmpfs):
     FIGURES["full_disk"] = {"tmpfs_mib": 40, "upload_mib": [64, 24, 12, 4], "status": statuses,
                             "acked": len(acked), "lost": 0, "free_before_mib": round(free0 / 2**20, 1),
                             "free_after_mib": round(free1 / 2**20, 1)}
+
+
+# ------------------------------------------------------------------------------------------------ abuse
+
+
+SLOW_CLIENTS = 256
+
+
+def _fast_import(d: Path, branch: str, messages, base: str = "refs/heads/main") -> None:
+    """Commits made by hand on the bare repo, one per message (fed to git as they are generated)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    p = subprocess.Popen(["git", f"--git-dir={d}", "fast-import", "--quiet"], stdin=subprocess.PIPE, env=env)
+    for i, msg in enumerate(messages):
+        p.stdin.write(b"commit refs/heads/%s\ncommitter outside <outside@localhost> %d +0000\ndata %d\n%s\n"
+                      % (branch.encode(), 1_700_000_000 + i, len(msg), msg))
+        if i == 0:
+            p.stdin.write(b"from %s\n" % base.encode())
+    p.stdin.close()
+    assert p.wait(120) == 0
+
+
+def _timed_request(hub, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+    t0 = time.perf_counter()
+    status, h, data = raw_request(hub.url, method, path, body, headers)
+    return status, time.perf_counter() - t0, len(data)
+
+
+def _raw_timed(hub, data: bytes) -> tuple[int, float]:
+    """One request sent as raw bytes (malformed headers); the status and the time to the answer."""
+    u = urlsplit(hub.url)
+    import socket
+
+    t0 = time.perf_counter()
+    with socket.create_connection((u.hostname, u.port), timeout=30) as s:
+        s.sendall(data)
+        reply = b""
+        while b"\r\n" not in reply and (chunk := s.recv(4096)):
+            reply += chunk
+    return int(reply.split(b" ", 2)[1]), time.perf_counter() - t0
+
+
+def test_attacks_are_answered_at_once_in_bounded_memory(tmp_path):
+    """The requests of the abuse probe (issue 51), concurrently, against a server with its default limits: every
+    one answered within a second with a 4xx (or served), server memory under 200 MB throughout, ordinary clients
+    answered within a second while 256 clients trickle request heads, and a stop within 5 s of SIGTERM."""
+    import socket
+
+    with serve_hub(tmp_path / "hub") as hub:
+        _setup_repo(hub)
+        _fast_import(repo_dir(hub, REPO), "huge", (b"commit %d\n\n" % i + b"m" * (1000 << 10) for i in range(40)))
+        rss, stop = [], threading.Event()
+
+        def sample():
+            while not stop.wait(0.02):
+                try:
+                    rss.append(_proc_status(hub.pid, "VmRSS"))
+                except (OSError, KeyError):  # the process is exiting
+                    return
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        js, form = {"Content-Type": "application/json"}, {"Content-Type": "application/x-www-form-urlencoded"}
+        yaml_4mb = json.dumps({"content": "---\na: [" + "1," * (2 << 20) + "1]\n---\n"}).encode()
+        yaml_max = json.dumps({"content": "---\na: [" + "1," * 9_990 + "1]\n---\n"}).encode()  # the most work accepted
+        paths_4mb = "&".join(f"paths=p{i}" for i in range(838_856)).encode()
+        paths_1000 = json.dumps({"paths": [f"build/p{i}.py" for i in range(1000)]}).encode()
+        attacks = {
+            "validate_yaml_4mb": (4, lambda: _timed_request(hub, "POST", "/api/validate-yaml", yaml_4mb, js)),
+            "validate_yaml_at_limits": (4, lambda: _timed_request(hub, "POST", "/api/validate-yaml", yaml_max, js)),
+            "paths_info_4mb": (8, lambda: _timed_request(hub, "POST", f"/api/kernels/{REPO}/paths-info/v1",
+                                                         paths_4mb, form)),
+            "paths_info_1000": (8, lambda: _timed_request(hub, "POST", f"/api/kernels/{REPO}/paths-info/v1",
+                                                          paths_1000, js)),
+            "commits_of_1000_kib_messages": (4, lambda: _timed_request(hub, "GET",
+                                                                       f"/api/kernels/{REPO}/commits/huge?limit=1000")),
+            "content_length_xb2": (4, lambda: _raw_timed(hub, b"GET / HTTP/1.1\r\nContent-Length: \xb2\r\n\r\n")),
+            "content_length_5000_digits": (4, lambda: _raw_timed(
+                hub, b"GET / HTTP/1.1\r\nContent-Length: " + b"9" * 5000 + b"\r\n\r\n")),
+        }
+        results: dict[str, list] = {name: [] for name in attacks}
+        for name, (count, fn) in attacks.items():  # each kind `count` at once, as the probe sent them
+            threads = [threading.Thread(target=lambda n=name, f=fn: results[n].append(f())) for _ in range(count)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+
+        # keep-alive against new connections
+        u = urlsplit(hub.url)
+        reused, fresh = [], []
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=10)
+        for _ in range(50):
+            t0 = time.perf_counter()
+            conn.request("GET", f"/api/organizations/{TRUSTED_ORG}/overview")
+            conn.getresponse().read()
+            reused.append(time.perf_counter() - t0)
+        conn.close()
+        for _ in range(50):
+            fresh.append(_timed_request(hub, "GET", f"/api/organizations/{TRUSTED_ORG}/overview")[1])
+
+        # 256 clients trickling request heads, one byte every 2 s; ordinary clients meanwhile
+        slow = [socket.create_connection((u.hostname, u.port), timeout=30) for _ in range(SLOW_CLIENTS)]
+        trickle_stop = threading.Event()
+
+        def trickle():
+            i = 0
+            while not trickle_stop.is_set():
+                for s in slow:
+                    try:
+                        s.send(b"GET /api/x HTTP/1.1\r\n"[i % 20:i % 20 + 1])
+                    except OSError:
+                        pass
+                i += 1
+                trickle_stop.wait(2)
+
+        trickler = threading.Thread(target=trickle)
+        trickler.start()
+        time.sleep(1.5)
+        probes = []
+        for _ in range(20):
+            probes.append(_timed_request(hub, "GET", f"/api/kernels/{REPO}/refs"))
+            time.sleep(0.2)
+        # SIGTERM while slow clients are connected and an upload is in progress
+        busy = socket.create_connection((u.hostname, u.port), timeout=30)
+        busy.sendall(f"POST /api/kernels/{REPO}/commit/v1 HTTP/1.1\r\nHost: {u.netloc}\r\nAuthorization: Bearer "
+                     f"{hub.token}\r\nContent-Type: application/x-ndjson\r\nContent-Length: 100000\r\n\r\n".encode()
+                     + b'{"key": "header", "value": {"summary": "cut"}}\n')
+        time.sleep(0.3)
+        before = _history(hub)
+        t0 = time.perf_counter()
+        os.kill(hub.pid, 15)
+        hub.wait_exit(30)
+        stop_s = time.perf_counter() - t0
+        trickle_stop.set()
+        trickler.join()
+        stop.set()
+        sampler.join()
+        for s in slow + [busy]:
+            s.close()
+        usage = _usage(hub)
+        hub.start()
+        assert _history(hub) == before  # nothing lost, nothing half-made
+    want = {"validate_yaml_4mb": {413}, "validate_yaml_at_limits": {200}, "paths_info_4mb": {413},
+            "paths_info_1000": {200}, "commits_of_1000_kib_messages": {200}, "content_length_xb2": {400},
+            "content_length_5000_digits": {400}}
+    # refusals take milliseconds: the 1 s target is asserted as is. Requests served in full do real work (0.3 s for
+    # four or eight at once on a 2-core machine; docs/hub-server.md compares the figures with the 1 s target), so the
+    # suite asserts a bound that a loaded machine keeps too
+    served = {"validate_yaml_at_limits", "paths_info_1000", "commits_of_1000_kib_messages"}
+    for name, got in results.items():
+        assert len(got) == attacks[name][0] and {r[0] for r in got} == want[name], (name, got)
+        assert max(r[1] for r in got) < (3 if name in served else 1), (name, got)
+    assert all(r[0] == 200 for r in probes) and max(r[1] for r in probes) < 1, probes
+    peak = max(rss + [usage["peak_rss_kib"] * 1024])
+    assert peak < 200 << 20, (max(rss), usage)
+    assert stop_s < 5, stop_s
+    FIGURES["abuse"] = {
+        **{f"{n}_max_s": round(max(r[1] for r in got), 3) for n, got in results.items()},
+        "commits_page_bytes_max": max(r[2] for r in results["commits_of_1000_kib_messages"]),
+        "server_rss_peak_mib": round(peak / 2**20, 1),
+        "keepalive_median_ms": round(statistics.median(reused) * 1000, 2),
+        "new_connection_median_ms": round(statistics.median(fresh) * 1000, 2),
+        "slow_clients": SLOW_CLIENTS, "ordinary_during_slow_max_s": round(max(r[1] for r in probes), 3),
+        "dropped_connections": usage["dropped_connections"], "sigterm_stop_s": round(stop_s, 2)}
