@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # GPU steps for one device call (run from the repository root; results and logs go to $OUT, default /tmp/out).
 #
-# Prepare on the build machine: `python -m kerneltools build --capability 9.0` (carried as `build`) and the wheels
+# Prepare on the build machine: `python -m kerneltools build --capability 9.0 --aot-capability 8.0,9.0` (carried
+# as `build`: the six architectures' cubins of both CUDA variants would not fit the carry) and the wheels
 # docs/development.md lists (carried as `.whl`), then for example
 #   bash benchmarks/device_run.sh tests model
+# The `ptxas` step also needs `build-ptxas13` (docs/prebuilt.md, "On the device").
 # Steps, in the order given (each time-limited; a failing step does not stop the later ones):
 #   tests       the GPU test suite of the kernel (tests/kernel)
-#   prebuilt    the prebuilt kernels' GPU tests (same bits as the JIT; a fresh process compiles nothing)
+#   prebuilt    the prebuilt kernels' GPU tests (same bits as the JIT; CUDA 12.9's cubins; a fresh process compiles
+#               nothing, on the compiled variant and on torch-cuda alone)
 #   cold        the cold-start benchmark (fresh processes, empty Triton cache; COLD_ARGS: extra options)
+#   coldnoarch  the cold-start benchmark, eager against the kernelized model loaded from torch-cuda alone
+#   ptxas       build/'s prebuilt cubins (CUDA 12.9's ptxas) against build-ptxas13's (CUDA 13's), one process
 #   rule        where the fused gate/up GEMM wins (the measurement behind the shipped rule)
 #   tools       the GPU tests of the tooling (transformers models, the kernels Benchmark workloads)
 #   model       the whole-model benchmark (MODEL_ARGS: extra options, e.g. "--model all --rounds 3")
@@ -28,9 +33,9 @@ fi
 export GEGLU_BUILD_DIR=$PWD/build
 # The build tree carries its own copy of the package's Python files: refuse a stale one (it would test old code).
 for f in torch-ext/geglu/*.py; do
-  for variant in build/torch-stable-abi*/; do
+  for variant in build/torch-stable-abi*/ build/torch-cuda/; do
     cmp -s "$f" "$variant$(basename "$f")" || { echo "error: $variant is stale ($f differs): run" \
-      "'python -m kerneltools build --capability 9.0' before the device call"; exit 1; }
+      "'python -m kerneltools build --capability 9.0 --aot-capability 8.0,9.0' before the device call"; exit 1; }
   done
 done
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv,noheader
@@ -48,8 +53,12 @@ step() {  # step NAME SECONDS COMMAND...
 for s in "$@"; do
   case $s in
     tests) step tests 420 python3 -m pytest tests/kernel -q -p no:cacheprovider -m gpu ;;
-    prebuilt) step prebuilt 420 python3 -m pytest tests/kernel/test_prebuilt.py -q -p no:cacheprovider -m gpu ;;
+    prebuilt) step prebuilt 480 python3 -m pytest tests/kernel/test_prebuilt.py -q -p no:cacheprovider -m gpu ;;
     cold) step cold 560 python3 -m kerneltools bench --cold-start --build-dir build --out "$OUT" ${COLD_ARGS:-} ;;
+    coldnoarch) step coldnoarch 560 python3 -m kerneltools bench --cold-start --build-dir build \
+        --cold-modes eager,kernelized-noarch --out "$OUT/cold-noarch" ;;
+    ptxas) step ptxas 200 python3 benchmarks/prebuilt_ptxas.py --build-dir build \
+        --other build-ptxas13 --out "$OUT" ;;
     rule) step rule 300 python3 -m kerneltools.bench.fused_rule --build-dir build --out "$OUT" ;;
     tools) step tools 400 python3 -m pytest tests/tools/test_transformers_kernelize.py \
         tests/tools/test_kernels_benchmark.py -q -p no:cacheprovider ;;

@@ -42,7 +42,7 @@ def add_parser(sub) -> None:
                         "and kernelized, with an empty Triton cache (writes cold-start.md / .json under --out)")
     p.add_argument("--cold-modes", default="eager,kernelized,kernelized-jit",
                    help="--cold-start's modes (default eager,kernelized,kernelized-jit: the kernelized model with "
-                        "GEGLU_PREBUILT=0)")
+                        "GEGLU_PREBUILT=0; also kernelized-noarch: loaded from the build's noarch variants alone)")
     _model.add_arguments(p)
     p.set_defaults(_main=main)
 

@@ -9,9 +9,12 @@ kernels' loader from ``--build-dir``), then times, in order, the first and the s
 * ``generate N``: greedy ``generate`` of N tokens after a 32-token prompt;
 * ``train BxS``: forward, backward (the model re-kernelized for training).
 
-and counts what Triton compiled: the entries written to the cache folder. Modes: ``eager``, ``kernelized`` and
+and counts what Triton compiled: the entries written to the cache folder. Modes: ``eager``, ``kernelized``,
 ``kernelized-jit`` (the kernelized model with ``GEGLU_PREBUILT=0``: every Triton kernel compiled at first use, as
-without prebuilt kernels). The processes alternate between the modes; each mode runs ``--processes`` times.
+without prebuilt kernels) and ``kernelized-noarch`` (kernelized from a copy of the build's noarch variants alone:
+the ``torch-cuda`` variant that CUDA 12 torch builds, torch < 2.10 and aarch64 load). Each kernelized process
+records the variant kernels loaded. The processes alternate between the modes; each mode runs ``--processes``
+times.
 
     python -m kerneltools bench --cold-start [--model gemma3-4b] [--processes 2] [--cold-modes eager,kernelized]
         [--out DIR] [--tiny]
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -29,7 +33,8 @@ from pathlib import Path
 
 from .common import meta, print_and_write
 
-MODES = ("eager", "kernelized", "kernelized-jit")
+MODES = ("eager", "kernelized", "kernelized-jit", "kernelized-noarch")
+NOARCH = ("torch-cpu", "torch-cuda")  # what kernelized-noarch loads from
 PREFILLS = ((8, 2048), (1, 300), (1, 1500))
 TINY_PREFILLS = ((2, 64), (1, 30), (1, 150))
 NEW_TOKENS = 16
@@ -85,6 +90,9 @@ def child(mode: str, build_dir: Path, model: str, tiny: bool, device: str) -> di
         register_geglu_kernels(DEFAULT_REPO_ID, revision="local", devices=(device,))
         kernelize(m, mode=Mode.INFERENCE, device=device)
         out["kernelize_s"] = time.perf_counter() - t0
+        import kernels
+
+        out["variant"] = Path(kernels.get_local_kernel(Path(build_dir).resolve()).__file__).parent.name
     vocab = config.vocab_size
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -117,11 +125,18 @@ def run(build_dir: Path, *, model: str = "gemma3-4b", processes: int = 2, modes=
     runs = []
     for i in range(processes):
         for mode in modes:
-            with tempfile.TemporaryDirectory(prefix="geglu-cold-triton-") as cache:
+            with tempfile.TemporaryDirectory(prefix="geglu-cold-triton-") as cache, \
+                    tempfile.TemporaryDirectory(prefix="geglu-cold-noarch-") as noarch:
                 env = dict(os.environ, TRITON_CACHE_DIR=cache, PYTHONUNBUFFERED="1")
                 env["GEGLU_PREBUILT"] = "0" if mode == "kernelized-jit" else "1"
+                build = build_dir
+                if mode == "kernelized-noarch":
+                    build = Path(noarch)
+                    for v in NOARCH:
+                        if (Path(build_dir) / v).is_dir():
+                            shutil.copytree(Path(build_dir) / v, build / v)
                 cmd = [sys.executable, "-m", "kerneltools.bench.cold", "--child", mode, "--build-dir",
-                       str(build_dir), "--model", model, "--device", device] + (["--tiny"] if tiny else [])
+                       str(build), "--model", model, "--device", device] + (["--tiny"] if tiny else [])
                 t0 = time.perf_counter()
                 proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 if proc.returncode != 0:
@@ -130,7 +145,8 @@ def run(build_dir: Path, *, model: str = "gemma3-4b", processes: int = 2, modes=
                 res["process_s"] = time.perf_counter() - t0
                 runs.append(res)
                 first = ", ".join(f"{k} {v['first_s']:.2f}s" for k, v in res["parts"].items())
-                log(f"process {i + 1}/{processes} {mode}: {first}; Triton cache entries {res['cache_entries']}")
+                log(f"process {i + 1}/{processes} {mode}{' (' + res['variant'] + ')' if 'variant' in res else ''}: "
+                    f"{first}; Triton cache entries {res['cache_entries']}")
     return dict(meta=meta(torch), model=model, tiny=tiny, device=device, runs=runs)
 
 
@@ -142,7 +158,8 @@ def to_markdown(result: dict) -> str:
              f"{m['date']}, commit {m['commit']}, torch {m['torch']}, triton {m['triton']}, CUDA {m['cuda']}, "
              f"transformers {m.get('transformers')}, kernels {m.get('kernels')}; bf16. Each process is fresh with an "
              "empty Triton cache; times are seconds, each process's value joined by ' / '. `kernelized-jit` is the "
-             "kernelized model with GEGLU_PREBUILT=0 (Triton compiles every kernel at first use).", "",
+             "kernelized model with GEGLU_PREBUILT=0 (Triton compiles every kernel at first use); `kernelized-noarch` the "
+             "kernelized model loaded from the noarch variants alone (`torch-cuda` on a GPU).", "",
              "| first call / second call (s) | " + " | ".join(modes) + " |", "|---|" + "---|" * len(modes)]
 
     def cell(mode, fn):
@@ -155,6 +172,8 @@ def to_markdown(result: dict) -> str:
             cell(md, lambda r: f"{r['parts'][part]['second_s']:.3f}") for md in modes) + " |")
     lines.append("| Triton cache entries written | " + " | ".join(
         cell(md, lambda r: str(r["cache_entries"])) for md in modes) + " |")
+    lines.append("| variant loaded | " + " | ".join(
+        cell(md, lambda r: r.get("variant", "-")) for md in modes) + " |")
     lines.append("| kernelize (s) | " + " | ".join(
         cell(md, lambda r: f"{r.get('kernelize_s', 0):.2f}") for md in modes) + " |")
     ratios = []

@@ -4,8 +4,10 @@ Variants (see docs/design.md):
 
 * ``torch-cpu``   noarch, the Python package with the CPU implementation;
 * ``torch-cuda``  noarch, Triton kernels only (any torch / CUDA that the compiled variant does not serve);
-* ``torch-stable-abi210-cu<XY>-x86_64-linux``  the compiled CUDA library + the Python package + the Triton kernels
-  prebuilt for sm_90 (``_prebuilt_sm90.*``, :mod:`.aot`; ``--aot-capability`` picks the architectures).
+* ``torch-stable-abi210-cu<XY>-x86_64-linux``  the compiled CUDA library + the Python package.
+
+Both CUDA variants carry the Triton kernels prebuilt for sm_80, 86, 89, 90, 100 and 120 (``_prebuilt_smXY.*``,
+:mod:`.aot`; ``--aot-capability`` picks the architectures).
 
 Each variant is a flat folder: the package's ``*.py`` files, a generated ``_ops.py`` and ``metadata.json``.
 The modules: :mod:`.config` (build.toml, source and ops ids, metadata.json), :mod:`.noarch` (the two noarch
@@ -39,7 +41,8 @@ def build(root: Path, out_root: Path | None = None, *, variants: list[str] | Non
         if v in ("cpu", "cuda"):
             if v not in cfg.backends:
                 raise BuildError(f"build.toml's backends {list(cfg.backends)} do not include {v!r}.")
-            built.append(noarch.build_noarch(cfg, out_root, v, sid))
+            built.append(noarch.build_noarch(cfg, out_root, v, sid, aot_archs=aot.parse_archs(aot_capability),
+                                             log=log))
             log(f"built {built[-1].relative_to(out_root.parent) if out_root.parent in built[-1].parents else built[-1]}")
         elif v == "cuda-compiled":
             built.append(cuda.build_compiled(cfg, out_root, sid, capability=capability, log=log,
@@ -57,9 +60,9 @@ def add_parser(sub) -> None:
     p.add_argument("--capability", default=None,
                    help="compile for this one CUDA capability (e.g. 9.0) instead of build.toml's list")
     p.add_argument("--aot-capability", default=None,
-                   help="prebuild the Triton kernels of the compiled variant for these CUDA capabilities (default "
-                        f"{','.join(f'{a // 10}.{a % 10}' for a in aot.DEFAULT_ARCHS)}; e.g. 8.0,9.0; 'none': "
-                        "Triton's JIT compiles them on the user's machine)")
+                   help="prebuild the Triton kernels of the CUDA variants for these CUDA capabilities (default "
+                        f"{','.join(f'{a // 10}.{a % 10}' for a in aot.DEFAULT_ARCHS)}, assembled by CUDA 12.9's ptxas; "
+                        "e.g. 9.0 while iterating; 'none': Triton's JIT compiles them on the user's machine)")
     p.set_defaults(_main=main)
 
 

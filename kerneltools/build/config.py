@@ -17,6 +17,9 @@ from pathlib import Path, PurePosixPath
 
 BUILDER_NAME = "kerneltools"
 BUILDER_VERSION = "0.1.0"
+# metadata.json's kernels-minver: the oldest kernels release that loads the variants, with the kernel's
+# transformers integration (requirements-lower.txt; kernels >= 0.19's loader refuses a variant asking for more)
+KERNELS_MINVER = "0.17.2"
 
 # The kernel repository this tooling lives in (kerneltools/build/config.py -> the repository root).
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -233,6 +236,7 @@ def write_metadata(variant_dir: Path, cfg: KernelConfig, sid: SourceId, ops_name
         "version": cfg.version,
         "license": cfg.license,
         "python-depends": [],
+        "kernels-minver": KERNELS_MINVER,
         "backend": backend,
         "digest": variant_digest(variant_dir),
         # kernels' strict parser rejects null: `commit` must be a 40/64-hex git id given together with `dirty`,

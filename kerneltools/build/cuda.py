@@ -41,7 +41,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .aot import DEFAULT_ARCHS, build_aot
+from .aot import DEFAULT_ARCHS, build_aot, cuda_release
 from .config import BuildError, KernelConfig, SourceId, fresh_dir, ops_id, ops_py, python_files, write_metadata
 
 KEY_MARKER = b"kerneltools-build-key:"
@@ -155,13 +155,7 @@ def _sm_to_cap(sm: str) -> str:
 
 
 def probe_nvcc(path: Path) -> Nvcc:
-    try:
-        text = subprocess.run([str(path), "--version"], check=True, capture_output=True, text=True).stdout
-    except (OSError, subprocess.CalledProcessError) as e:
-        raise BuildError(f"{path} --version failed ({e}); is this a working nvcc?") from None
-    m = re.search(r"release (\d+)\.(\d+)", text)
-    if not m:
-        raise BuildError(f"Could not read the CUDA release from `{path} --version`:\n{text}")
+    major, minor, text = cuda_release(path, "is this a working nvcc?")
     try:
         archs = subprocess.run([str(path), "--list-gpu-arch"], check=True, capture_output=True, text=True).stdout
     except (OSError, subprocess.CalledProcessError) as e:
@@ -169,7 +163,7 @@ def probe_nvcc(path: Path) -> Nvcc:
     caps = sorted(
         {_sm_to_cap(a) for a in re.findall(r"compute_(\d+)\b", archs)}, key=lambda c: tuple(map(int, c.split(".")))
     )
-    return Nvcc(path, int(m.group(1)), int(m.group(2)), text.strip(), tuple(caps))
+    return Nvcc(path, major, minor, text.strip(), tuple(caps))
 
 
 _CAP_RE = re.compile(r"^\d+\.\d$")

@@ -10,6 +10,7 @@ tests/tools/test_cuda_build.py, where the compiled variant is built.
 import importlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import types
@@ -212,6 +213,121 @@ def test_a_variant_without_prebuilt_kernels_finds_none(src, monkeypatch, tmp_pat
     assert aot._index(90) is None
 
 
+def _ship(aot, monkeypatch, tmp_path, archs, kernels=()):
+    """A variant folder holding index files for ``archs`` (``kernels``: the index entries, in one zlib blob)."""
+    import zlib
+
+    blob, entries = b"", []
+    for e in kernels:
+        data = zlib.compress(e.pop("image"))
+        entries.append(dict(e, offset=len(blob), size=len(data)))
+        blob += data
+    for arch in archs:
+        (tmp_path / f"{aot.PREFIX}{arch}.json").write_text(json.dumps(dict(
+            arch=arch, target=f"sm_{arch}{'a' if arch >= 90 else ''}", ptxas="12.9", triton="3.9.0",
+            compression="zlib", kernels=entries)))
+        (tmp_path / f"{aot.PREFIX}{arch}.cubin").write_bytes(blob)
+    for name, value in (("HERE", str(tmp_path)), ("_indexes", {}), ("_arch_of", {}), ("_loaded", {}),
+                        ("_launchers", {}), ("_refused", {})):
+        monkeypatch.setattr(aot, name, value)
+
+
+def test_each_gpu_family_runs_the_binaries_nvidia_allows(src, monkeypatch, tmp_path):
+    """With the six architectures shipped, a GPU runs its own architecture's binaries; sm_87 runs sm_86's (a
+    portable sm_8x cubin runs on later minors of major 8); sm_75, sm_103, sm_110 and sm_121 run the JIT (sm_90a /
+    sm_100a / sm_120a cubins run on that exact architecture only, never across majors). With sm_80 and sm_90 alone,
+    sm_86 and sm_89 run sm_80's. ``prebuilt_kernels()`` says the same per family, and the device lookup follows it."""
+    aot = src._aot
+    _ship(aot, monkeypatch, tmp_path, [80, 86, 89, 90, 100, 120])
+    want = {75: None, 80: 80, 86: 86, 87: 86, 89: 89, 90: 90, 100: 100, 103: None, 110: None, 120: 120, 121: None}
+    shipped = aot.architectures()
+    assert shipped == [80, 86, 89, 90, 100, 120]
+    assert {cap: aot.serving_arch(cap, shipped) for cap in want} == want
+    gpus = aot.info()["gpus"]
+    assert {cap: g["runs"] for cap, g in gpus.items()} == {c: "jit" if a is None else f"sm_{a}" for c, a in want.items()}
+    caps = list(want)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: divmod(caps[i], 10))
+    assert [aot._arch(i) for i in range(len(caps))] == list(want.values())
+    assert aot.serving_arch(86, [80, 90]) == 80 and aot.serving_arch(89, [80, 90]) == 80
+    assert aot.serving_arch(100, [80, 90]) is None and aot.serving_arch(90, [80, 86, 89]) is None
+    info = aot.info()
+    assert info["ptxas"] == "12.9" and info["targets"] == {80: "sm_80", 86: "sm_86", 89: "sm_89", 90: "sm_90a",
+                                                           100: "sm_100a", 120: "sm_120a"}
+
+
+class _FakeDriver:
+    """libcuda's calls that loading a prebuilt kernel makes; ``refuse``: call name -> the CUDA error it returns
+    (209: CUDA_ERROR_NO_BINARY_FOR_GPU, 222: CUDA_ERROR_UNSUPPORTED_PTX_VERSION)."""
+
+    def __init__(self, refuse):
+        self.refuse, self.calls = refuse, []
+
+    def _status(self, name):
+        self.calls.append(name)
+        return self.refuse.get(name, 0)
+
+    def cuCtxGetCurrent(self, ctx):
+        import ctypes
+
+        ctypes.cast(ctx, ctypes.POINTER(ctypes.c_void_p))[0] = 1
+        return 0
+
+    def cuModuleLoadData(self, module, image):
+        return self._status("cuModuleLoadData")
+
+    def cuModuleGetFunction(self, fn, module, name):
+        import ctypes
+
+        ctypes.cast(fn, ctypes.POINTER(ctypes.c_void_p))[0] = 42
+        return self._status("cuModuleGetFunction")
+
+    def cuFuncSetAttribute(self, fn, attr, value):
+        return self._status("cuFuncSetAttribute")
+
+    def cuGetErrorString(self, status, out):
+        import ctypes
+
+        text = {209: b"no kernel image is available for execution on the device",
+                222: b"the provided PTX was compiled with an unsupported toolchain."}[status]
+        ctypes.cast(out, ctypes.POINTER(ctypes.c_char_p))[0] = text
+        return 0
+
+
+@pytest.mark.parametrize("call, status", [("cuModuleLoadData", 222), ("cuModuleGetFunction", 209),
+                                          ("cuFuncSetAttribute", 209)])
+def test_a_binary_the_driver_refuses_falls_back_to_the_jit_with_one_warning(src, monkeypatch, tmp_path, call,
+                                                                           status):
+    """The driver refuses a prebuilt kernel (an old driver and a newer toolkit's cubin, a missing function, more
+    shared memory than the GPU has): the launch finds nothing (the caller's JIT runs), one RuntimeWarning names the
+    device, the architecture and the CUDA error; later launches on that device find nothing without loading or
+    warning again; ``prebuilt_kernels()['refused']`` lists the device. Another device keeps its prebuilt kernels."""
+    import warnings
+
+    aot = src._aot
+    entry = dict(fn="k", consts=[1], num_warps=4, num_stages=3, types=["*bf16", "i32"], hints=[True, True],
+                 name="k_entry", shared=64 * 1024, image=b"\x7fELF fake cubin")
+    _ship(aot, monkeypatch, tmp_path, [90], [entry])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (9, 0))
+    refusing, working = _FakeDriver({call: status}), _FakeDriver({})
+    driver = {"lib": refusing}
+    monkeypatch.setattr(aot, "_driver", lambda: driver["lib"])
+    monkeypatch.setattr(aot, "_cuda", refusing)
+    monkeypatch.setattr(aot, "_launcher", lambda entry, function: ("run", function))
+    x = torch.empty(64, dtype=torch.bfloat16)
+    with pytest.warns(RuntimeWarning, match=rf"refused the prebuilt sm_90 kernels on cuda:0 \({call} failed with "
+                                            rf"CUDA error {status} .*Triton's JIT compiles the kernels there"):
+        assert aot.find("k", [x, 64], (1,), 4, 3, 0) is None
+    n_calls = len(refusing.calls)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert aot.find("k", [x, 64], (1,), 4, 3, 0) is None
+    assert len(refusing.calls) == n_calls  # nothing loaded again
+    assert list(aot.info()["refused"]) == [0] and call in aot.info()["refused"][0]
+    driver["lib"] = working
+    monkeypatch.setattr(aot, "_cuda", working)
+    assert aot.find("k", [x, 64], (1,), 4, 3, 1) == ("run", 42)
+
+
 # --- on the GPU ----------------------------------------------------------------------------------------------------
 
 needs_prebuilt = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
@@ -221,28 +337,27 @@ def _aot_of(geglu):
     return importlib.import_module(geglu.__name__ + "._aot")
 
 
-@pytest.mark.gpu
-@needs_prebuilt
-def test_gpu_prebuilt_kernels_compute_the_jit_kernels_bits(geglu, monkeypatch):
-    """Every family of kernels, prebuilt against Triton's JIT of the same source, on fresh random data: the
-    pointwise forward and backward (flat and row-strided, with and without a tail, three dtypes), the fused gate/up
-    GEMM (inference and training tiles) and the MoE grouped GEMM bit for bit; the RMSNorm forward and backward
-    (rows in registers and looped) within one bf16 ulp in at most 0.1 % of the values (their sums' order is the
-    Triton version's); and each launch really prebuilt."""
-    aot = _aot_of(geglu)
-    if not aot.architectures() or torch.cuda.get_device_capability()[0] * 10 + torch.cuda.get_device_capability()[1] \
-            not in aot.architectures():
-        pytest.skip("this build has no prebuilt kernels for this GPU")
+def _jit_against_prebuilt(geglu, aot, families):
+    """The bits test's cases of ``families`` (pointwise, norm, gemm, moe), each run through Triton's JIT and through
+    the prebuilt kernels; returns [(name, ran prebuilt, values that differ)] for those that did not run prebuilt or
+    did not match (the norms: within one bf16 ulp in at most 0.1 % of the values)."""
     hits = []
     real_find = aot.find
+
     def find(*a, **k):
         run = real_find(*a, **k)
         if run is not None:
             hits.append(a[0])
         return run
 
-    monkeypatch.setattr(aot, "find", find)
-    mlp = importlib.import_module(geglu.__name__ + "._mlp")
+    aot.find = find
+    try:
+        return _compare(geglu, families, hits)
+    finally:
+        aot.find = real_find
+
+
+def _compare(geglu, families, hits):
     kt = importlib.import_module(geglu.__name__ + "._fused_mlp_triton")
     et = importlib.import_module(geglu.__name__ + "._experts_triton")
     tri = importlib.import_module(geglu.__name__ + "._triton")
@@ -262,42 +377,47 @@ def test_gpu_prebuilt_kernels_compute_the_jit_kernels_bits(geglu, monkeypatch):
         return jit, pre, len(hits) > n
 
     cases = []
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        for shape in ((4096, 2 * 14336), (300, 2 * 2304 + 32)):
-            x = torch.randn(*shape, device="cuda").to(dtype)
-            g, u = x.chunk(2, -1)
-            dy = torch.randn_like(g)
-            gc, uc = g.contiguous(), u.contiguous()
-            for approx in ("none", "tanh"):
-                cases.append((f"fwd rows {dtype} {shape} {approx}", lambda g=g, u=u, a=approx: geglu.geglu(g, u, a)))
-                cases.append((f"fwd flat {dtype} {shape} {approx}",
-                              lambda g=gc, u=uc, a=approx: geglu.geglu(g, u, a)))
-                cases.append((f"bwd {dtype} {shape} {approx}",
-                              lambda dy=dy, g=gc, u=uc, a=approx: torch.cat(geglu.geglu_backward(dy, g, u, a))))
-    for M, D in ((1, 2560), (300, 2560), (4096, 256), (8, 20000)):
-        x = torch.randn(M, D, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(D, device="cuda", dtype=torch.bfloat16) * 0.1
+    if "pointwise" in families:
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            for shape in ((4096, 2 * 14336), (300, 2 * 2304 + 32)):
+                x = torch.randn(*shape, device="cuda").to(dtype)
+                g, u = x.chunk(2, -1)
+                dy = torch.randn_like(g)
+                gc, uc = g.contiguous(), u.contiguous()
+                for approx in ("none", "tanh"):
+                    cases.append((f"fwd rows {dtype} {shape} {approx}",
+                                  lambda g=g, u=u, a=approx: geglu.geglu(g, u, a)))
+                    cases.append((f"fwd flat {dtype} {shape} {approx}",
+                                  lambda g=gc, u=uc, a=approx: geglu.geglu(g, u, a)))
+                    cases.append((f"bwd {dtype} {shape} {approx}",
+                                  lambda dy=dy, g=gc, u=uc, a=approx: torch.cat(geglu.geglu_backward(dy, g, u, a))))
+    if "norm" in families:
+        for M, D in ((1, 2560), (300, 2560), (4096, 256), (8, 20000)):
+            x = torch.randn(M, D, device="cuda", dtype=torch.bfloat16)
+            w = torch.randn(D, device="cuda", dtype=torch.bfloat16) * 0.1
 
-        def norm(x=x, w=w):
-            xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
-            y = geglu.rms_norm(xl, wl)
-            y.backward(torch.ones_like(y))
-            return torch.cat([y.flatten(), xl.grad.flatten(), wl.grad.flatten()])
+            def norm(x=x, w=w):
+                xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+                y = geglu.rms_norm(xl, wl)
+                y.backward(torch.ones_like(y))
+                return torch.cat([y.flatten(), xl.grad.flatten(), wl.grad.flatten()])
 
-        cases.append((f"norm {M}x{D}", norm))
-    x = torch.randn(1024, 2560, device="cuda", dtype=torch.bfloat16)
-    wg, wu = (torch.randn(10240, 2560, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(2))
-    for tanh in (False, True):
-        for M in (200, 1024):
-            cases.append((f"gemm inference {M} {tanh}", lambda M=M, t=tanh: kt.gate_up_geglu(
-                x[:M], wg, wu, t, False, kt.inference_config(M))[0]))
-            cases.append((f"gemm training {M} {tanh}",
-                          lambda M=M, t=tanh: kt.gate_up_geglu(x[:M], wg, wu, t, True)[1]))
-    xe = torch.randn(4096, 2816, device="cuda", dtype=torch.bfloat16)
-    we = torch.randn(128, 2 * 704, 2816, device="cuda", dtype=torch.bfloat16) * 0.02
-    counts = torch.multinomial(torch.ones(128), 4096, replacement=True).bincount(minlength=128)
-    offsets = torch.cumsum(counts, 0).to(torch.int32).cuda()
-    cases.append(("moe", lambda: et.grouped_gate_up_geglu(xe, we, offsets, True)))
+            cases.append((f"norm {M}x{D}", norm))
+    if "gemm" in families:
+        x = torch.randn(1024, 2560, device="cuda", dtype=torch.bfloat16)
+        wg, wu = (torch.randn(10240, 2560, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(2))
+        for tanh in (False, True):
+            for M in (200, 1024):
+                cases.append((f"gemm inference {M} {tanh}", lambda M=M, t=tanh: kt.gate_up_geglu(
+                    x[:M], wg, wu, t, False, kt.inference_config(M))[0]))
+                cases.append((f"gemm training {M} {tanh}",
+                              lambda M=M, t=tanh: kt.gate_up_geglu(x[:M], wg, wu, t, True)[1]))
+    if "moe" in families:
+        xe = torch.randn(4096, 2816, device="cuda", dtype=torch.bfloat16)
+        we = torch.randn(128, 2 * 704, 2816, device="cuda", dtype=torch.bfloat16) * 0.02
+        counts = torch.multinomial(torch.ones(128), 4096, replacement=True).bincount(minlength=128)
+        offsets = torch.cumsum(counts, 0).to(torch.int32).cuda()
+        cases.append(("moe", lambda: et.grouped_gate_up_geglu(xe, we, offsets, True)))
     bad = []
     for name, fn in cases:
         jit, pre, was_prebuilt = both(fn)
@@ -310,8 +430,64 @@ def test_gpu_prebuilt_kernels_compute_the_jit_kernels_bits(geglu, monkeypatch):
             same = torch.equal(jit, pre)
         if not was_prebuilt or not same:
             bad.append((name, was_prebuilt, (jit != pre).sum().item()))
+    return bad
+
+
+@pytest.mark.gpu
+@needs_prebuilt
+def test_gpu_prebuilt_kernels_compute_the_jit_kernels_bits(geglu):
+    """Every family of kernels, prebuilt against Triton's JIT of the same source, on fresh random data: the
+    pointwise forward and backward (flat and row-strided, with and without a tail, three dtypes), the fused gate/up
+    GEMM (inference and training tiles) and the MoE grouped GEMM bit for bit; the RMSNorm forward and backward
+    (rows in registers and looped) within one bf16 ulp in at most 0.1 % of the values (their sums' order is the
+    Triton version's); and each launch really prebuilt."""
+    aot = _aot_of(geglu)
+    major, minor = torch.cuda.get_device_capability()
+    if aot.serving_arch(major * 10 + minor, aot.architectures()) is None:
+        pytest.skip("this build has no prebuilt kernels for this GPU")
+    bad = _jit_against_prebuilt(geglu, aot, ("pointwise", "norm", "gemm", "moe"))
     assert not bad, bad
-    assert mlp is not None
+
+
+@pytest.mark.gpu
+@needs_prebuilt
+def test_gpu_another_architectures_code_through_the_driver_jit(geglu, monkeypatch):
+    """Another architecture's shipped code on this GPU: the sm_80 kernels' PTX, which each shipped sm_80 cubin
+    embeds (the code its SASS was assembled from), loaded through the driver's JIT with the sm_80 index's launch
+    data (parameters, warps, shared memory), computes the pointwise kernels' JIT bits and the norms' bound here.
+    (An sm_80 cubin itself cannot run on another major; its SASS is ptxas's.) Needs a build with sm_80 kernels."""
+    import zlib
+
+    from kerneltools.build import aot as build_aot
+
+    aot = _aot_of(geglu)
+    if 80 not in aot.architectures():
+        pytest.skip("this build has no sm_80 kernels (build with --aot-capability 8.0,9.0)")
+    major, _ = torch.cuda.get_device_capability()
+    if major < 8:
+        pytest.skip("sm_80 PTX needs an sm_80 or newer GPU")
+    entries, blob = aot._index(80)
+    ptx_entries, ptx_blob = {}, bytearray()
+    for k, group in entries.items():
+        for e in group:
+            cubin = zlib.decompress(blob[e["offset"]:e["offset"] + e["size"]])
+            ptx = build_aot._sections(cubin)[b".nv_debug_ptx_txt"].replace(b"\0", b"\n").strip(b"\n")
+            assert b".target sm_80" in ptx, e["fn"]
+            data = zlib.compress(ptx + b"\0")
+            ptx_entries.setdefault(k, []).append(dict(e, offset=len(ptx_blob), size=len(data)))
+            ptx_blob += data
+    monkeypatch.setitem(aot._indexes, 80, (ptx_entries, bytes(ptx_blob)))
+    monkeypatch.setattr(aot, "_arch", lambda device_index: 80)
+    monkeypatch.setattr(aot, "_loaded", {})
+    monkeypatch.setattr(aot, "_launchers", {})
+    tri = importlib.import_module(geglu.__name__ + "._triton")
+    try:
+        bad = _jit_against_prebuilt(geglu, aot, ("pointwise", "norm"))
+    finally:  # the launch caches hold the PTX-backed kernels: later tests look their own up again
+        tri._PREBUILT.clear()
+        tri._DIRECT_LAUNCH.clear()
+    assert not bad, bad
+    assert aot.info()["refused"] == {}
 
 
 _FRESH = r"""
@@ -342,7 +518,8 @@ os.environ["LOCAL_KERNELS"] = f"{DEFAULT_REPO_ID}={build}"
 register_geglu_kernels(DEFAULT_REPO_ID, revision="local", devices=("cuda",))
 import kernels
 import importlib
-aot = importlib.import_module(kernels.get_local_kernel(Path(build)).__name__ + "._aot")
+kernel = kernels.get_local_kernel(Path(build))
+aot = importlib.import_module(kernel.__name__ + "._aot")
 misses = []  # launches the index has no binary for: (kernel, constexprs, types, hints)
 real_find = aot.find
 def find(name, args, consts, warps, stages, dev):
@@ -353,7 +530,7 @@ def find(name, args, consts, warps, stages, dev):
     return run
 aot.find = find
 torch.manual_seed(0)
-out = {"prebuilt": aot.info()}
+out = {"prebuilt": aot.info(), "variant": Path(kernel.__file__).parent.name}
 torch.cuda.Event = CountingEvent
 for name, cfg in (
         ("gemma3", transformers.Gemma3TextConfig(hidden_size=2560, intermediate_size=10240, num_hidden_layers=2,
@@ -387,14 +564,41 @@ print(json.dumps(out))
 
 @pytest.mark.gpu
 @needs_prebuilt
-def test_gpu_fresh_process_runs_a_kernelized_model_without_compiling(build_dir, tmp_path):
+def test_gpu_the_prebuilt_kernels_loaded_here_come_from_cuda_12_9(geglu):
+    """The loaded variant's binaries for this GPU were assembled by CUDA 12.9's ptxas (so CUDA 12 drivers load them
+    too), and this driver loaded them (no device refused)."""
+    aot = _aot_of(geglu)
+    major, minor = torch.cuda.get_device_capability()
+    arch = aot.serving_arch(major * 10 + minor, aot.architectures())
+    if arch is None:
+        pytest.skip("this build has no prebuilt kernels for this GPU")
+    x = torch.randn(4096, 2 * 2048, device="cuda", dtype=torch.bfloat16)
+    with geglu.configure(backend="triton"):
+        geglu.geglu(*x.chunk(2, -1))
+    torch.cuda.synchronize()
+    info = geglu.prebuilt_kernels()
+    assert info["ptxas"] == "12.9" and info["refused"] == {}, info
+    assert info["gpus"].get(major * 10 + minor, {"runs": f"sm_{arch}"})["runs"] == f"sm_{arch}", info["gpus"]
+
+
+@pytest.mark.gpu
+@needs_prebuilt
+@pytest.mark.parametrize("variant", ["compiled", "noarch"])
+def test_gpu_fresh_process_runs_a_kernelized_model_without_compiling(build_dir, tmp_path, variant):
     """A fresh process with an empty Triton cache runs kernelized Gemma 3 (prefill at 300 and 4 x 1024 tokens: the
     fused MLP and the norms; decode sizes; a generate; a training step) and a Gemma 4 MoE model (the fused grouped
     GEMM from 2048 routed rows, the gates) on the prebuilt kernels: Triton compiles nothing, the cache stays
-    empty, and no CUDA event is made (nothing is timed to choose a path)."""
-    if not (build_dir / "torch-stable-abi210-cu130-x86_64-linux").is_dir() and not any(
-            p.name.startswith("torch-stable-abi") for p in build_dir.iterdir()):
-        pytest.skip("needs a build with the compiled variant (GEGLU_BUILD_DIR)")
+    empty, and no CUDA event is made (nothing is timed to choose a path). Once on the compiled variant, once on the
+    noarch ``torch-cuda`` one alone (what CUDA 12 torch builds, torch < 2.10 and aarch64 load)."""
+    if variant == "compiled":
+        if not any(p.name.startswith("torch-stable-abi") for p in build_dir.iterdir()):
+            pytest.skip("needs a build with the compiled variant (GEGLU_BUILD_DIR)")
+    else:
+        if not list((build_dir / "torch-cuda").glob("_prebuilt_sm*.json")):
+            pytest.skip("needs a build whose torch-cuda variant has prebuilt kernels (GEGLU_BUILD_DIR)")
+        only = tmp_path / "noarch-build"
+        shutil.copytree(build_dir / "torch-cuda", only / "torch-cuda")
+        build_dir = only
     cache = tmp_path / "triton-cache"
     cache.mkdir()
     env = dict(os.environ, TRITON_CACHE_DIR=str(cache))
@@ -404,6 +608,7 @@ def test_gpu_fresh_process_runs_a_kernelized_model_without_compiling(build_dir, 
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert res["prebuilt"]["architectures"], res["prebuilt"]
+    assert res["variant"].startswith("torch-cuda" if variant == "noarch" else "torch-stable-abi"), res["variant"]
     assert res["gemma3"]["compiled"] == [] and res["gemma4-moe"]["compiled"] == [], res
     assert res["cache_files"] == [], res["cache_files"][:10]
     assert res["gemma4-moe"]["events"] == 0, res

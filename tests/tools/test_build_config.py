@@ -19,24 +19,25 @@ from kerneltools.build import build, config, cuda, noarch
 # --- variant names -------------------------------------------------------------------------------------------
 
 
+@pytest.mark.ecosystem
 def test_every_variant_name_parses_with_kernels_grammar(tmp_path):
-    from kernels.variants import ArchVariant, NoarchVariant, parse_variant
+    from kerneltools.kernels_api import parse_variant
 
     cfg = config.read_config(REPO_ROOT)
-    names = [noarch.build_noarch(cfg, tmp_path, b, config.SourceId("abcdef1", None, True)).name
+    names = [noarch.build_noarch(cfg, tmp_path, b, config.SourceId("abcdef1", None, True), aot_archs=[]).name
              for b in noarch.NOARCH_BACKENDS]
     assert names == ["torch-cpu", "torch-cuda"]
     for backend in names:
         v = parse_variant(backend)
-        assert isinstance(v, NoarchVariant) and v.variant_str == backend
+        assert not v.arch and v.name == backend
     # the compiled variant's name for each CUDA toolkit it can be built with
     for major, minor in [(12, 6), (12, 8), (13, 0), (13, 2)]:
         nvcc = cuda.Nvcc(Path("nvcc"), major, minor, "", ("9.0",))
         name = cuda.variant_name(cfg, nvcc)
         v = parse_variant(name)
-        assert isinstance(v, ArchVariant) and v.variant_str == name
-        assert type(v.framework).__name__ == "TorchStableAbi" and str(v.framework.version) == cfg.stable_abi_cuda
-        assert str(v.arch.backend.version) == f"{major}.{minor}"
+        assert v.arch and v.name == name
+        assert v.framework == "TorchStableAbi" and v.framework_version == cfg.stable_abi_cuda
+        assert v.backend == "CUDA" and v.backend_version == (major, minor)
 
 
 # --- the digest ------------------------------------------------------------------------------------------------
@@ -53,7 +54,7 @@ def _digest_before_kernels_data(variant_dir: Path) -> dict:
 
 def test_metadata_json_bytes_are_what_the_hand_written_digest_gave(tmp_path):
     out = tmp_path / "build"
-    for variant in build(REPO_ROOT, out, variants=["cpu", "cuda"], log=lambda *a: None):
+    for variant in build(REPO_ROOT, out, variants=["cpu", "cuda"], aot_capability="none", log=lambda *a: None):
         text = (variant / "metadata.json").read_text()
         meta = json.loads(text)
         expected = _digest_before_kernels_data(variant)
@@ -155,7 +156,7 @@ def test_kerneltools_has_no_import_cycle():
     graph = {m: {t for t in _imports(p, m) if t in files and t != m} for m, p in files.items()}
     assert graph["kerneltools.build.cuda"] == {"kerneltools.build.config", "kerneltools.build.aot"}
     assert graph["kerneltools.build.aot"] == {"kerneltools.build.config"}
-    assert graph["kerneltools.build.noarch"] == {"kerneltools.build.config"}
+    assert graph["kerneltools.build.noarch"] == {"kerneltools.build.config", "kerneltools.build.aot"}
     assert graph["kerneltools.build.config"] == set()
 
     def cycle_from(start):
@@ -172,3 +173,19 @@ def test_kerneltools_has_no_import_cycle():
 
     cycles = [c for m in sorted(graph) if (c := cycle_from(m))]
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_kernels_minver_is_the_oldest_supported_kernels(tmp_path):
+    """metadata.json asks for the kernels release CI tests as the oldest (requirements-lower.txt), and kernels'
+    own parser reads it."""
+    import re
+
+    import kernels
+
+    pin = re.search(r"^kernels==(\S+)$", (REPO_ROOT / "requirements-lower.txt").read_text(), re.M).group(1)
+    assert config.KERNELS_MINVER == pin
+    cfg = config.read_config(REPO_ROOT)
+    variant = noarch.build_noarch(cfg, tmp_path, "cpu", config.SourceId("abcdef1", None, True))
+    meta = (variant / "metadata.json").read_bytes()
+    assert json.loads(meta)["kernels-minver"] == pin
+    kernels.Metadata.from_bytes(meta)  # parses (kernels 0.19 also checks it against its own version at load)

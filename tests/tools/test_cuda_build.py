@@ -4,6 +4,12 @@ Builds once for ONE capability (9.0, ~20-30 s on 2 cores) into a temporary build
 then checks kernel-builder's output contract, the ABI, how the `kernels` loader treats the variants on a CPU
 torch, the op schemas (by loading the library against a stub libtorch_cuda.so), the SASS (128-bit accesses,
 no local memory), the no-op rebuild, and the error messages.
+
+The prebuilt Triton kernels of both CUDA variants are built for AOT_ARCHS (sm_86, sm_90 and sm_120 by default:
+a portable sm_8x target without the TMA GEMMs, sm_90a, and sm_120a with its 99 KiB of shared memory; about 8
+minutes on 2 cores without a cache; GEGLU_TEST_AOT_CAPABILITY picks others, e.g. the full
+8.0,8.6,8.9,9.0,10.0,12.0), with the full launch list each; every one of the six shipped architectures compiles a
+sample of each kernel family in test_every_shipped_architecture_compiles_each_family.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from kerneltools.build import cuda as cuda_build
 
 REPO = Path(__file__).resolve().parents[2]
 CAP = "9.0"
+AOT_CAPABILITY = os.environ.get("GEGLU_TEST_AOT_CAPABILITY", "8.6,9.0,12.0")
 OPS_RE = re.compile(r"^_geglu_cuda_[0-9a-f]{7}(_dirty)?$")
 SCHEMAS = {
     "geglu_fwd": "geglu_fwd(Tensor(a!) out, Tensor gate, Tensor up, bool tanh) -> ()",
@@ -83,7 +90,8 @@ def built(tmp_path_factory) -> Built:
     os.environ["KERNELTOOLS_CUDA_CACHE"] = str(cache)  # a cold object cache: this really compiles
     try:
         t0 = time.monotonic()
-        paths = build(REPO, out, variants=["cpu", "cuda", "cuda-compiled"], capability=CAP, log=log.append)
+        paths = build(REPO, out, variants=["cpu", "cuda", "cuda-compiled"], capability=CAP,
+                      aot_capability=AOT_CAPABILITY, log=log.append)
         seconds = time.monotonic() - t0
     finally:
         if old is None:
@@ -99,16 +107,18 @@ def built(tmp_path_factory) -> Built:
 def test_variant_name_and_flat_layout(built):
     nvcc = cuda_build.probe_nvcc(cuda_build.find_nvcc())
     assert built.variant.name == f"torch-stable-abi210-cu{nvcc.major}{nvcc.minor}-x86_64-linux"
-    from kernels.variants import parse_variant
+    from kerneltools.kernels_api import parse_variant
 
-    assert parse_variant(built.variant.name).variant_str == built.variant.name  # kernels' own grammar
+    assert parse_variant(built.variant.name).name == built.variant.name  # kernels' own grammar
     assert built.variant.parent == built.out
     assert OPS_RE.match(built.ops), built.ops
     entries = sorted(p.name for p in built.variant.iterdir())
     assert not [p for p in built.variant.iterdir() if p.is_dir()], f"variant folder must be flat: {entries}"
     package = sorted(p.name for p in (REPO / "torch-ext" / "geglu").glob("*.py") if p.name != "_ops.py")
-    assert entries == sorted(package + ["_ops.py", "metadata.json", f"{built.ops}.abi3.so", "_prebuilt_sm90.cubin",
-                                        "_prebuilt_sm90.json"])
+    prebuilt = [f"_prebuilt_sm{a}.{ext}" for a in _aot_archs() for ext in ("json", "cubin")]
+    assert entries == sorted(package + ["_ops.py", "metadata.json", f"{built.ops}.abi3.so"] + prebuilt)
+    noarch = sorted(p.name for p in (built.out / "torch-cuda").iterdir())
+    assert noarch == sorted(package + ["_ops.py", "metadata.json"] + prebuilt)
     assert "__init__.py" in entries
     assert any("compiling device code" in line for line in built.log), "progress lines missing"
     assert any("ABI check" in line for line in built.log)
@@ -149,27 +159,139 @@ def test_metadata(built):
     kernels_data.Metadata.read_from_file(path).digest.validate(digest)
 
 
-def test_prebuilt_kernels_in_the_variant(built):
-    """The compiled variant carries the Triton kernels prebuilt for sm_90 (the default): an index with one entry per
-    launch the package's plans can make, each a zlib-compressed sm_90 cubin holding its entry point, the Triton
-    that compiled them; the metadata's digest lists both files, and the build log says what it compiled."""
+def _aot_archs() -> list[int]:
+    from kerneltools.build import aot
+
+    return aot.parse_archs(AOT_CAPABILITY)
+
+
+def _cubins(variant: Path, arch: int):
+    """(index, [(entry, cubin bytes)]) of one architecture's prebuilt kernels in a variant."""
+    index = json.loads((variant / f"_prebuilt_sm{arch}.json").read_text())
+    blob = (variant / f"_prebuilt_sm{arch}.cubin").read_bytes()
+    return index, [(e, zlib.decompress(blob[e["offset"]:e["offset"] + e["size"]])) for e in index["kernels"]]
+
+
+@pytest.mark.parametrize("which", ["compiled", "torch-cuda"])
+def test_prebuilt_kernels_in_the_variant(built, which):
+    """Both CUDA variants carry the Triton kernels prebuilt for each architecture asked for: per architecture an
+    index with one entry per launch the package's plans can make (the TMA GEMMs from sm_90 up), each a
+    zlib-compressed cubin holding its entry point; every cubin's .note.nv.tkinfo names a ptxas release of at most
+    CUDA 12.9 (CUDA 12 drivers load it) and the index's target (sm_86, sm_90a, sm_120a); shared memory fits the
+    architecture, which on sm_120 takes one pipeline stage fewer for the GEMMs. The index records the Triton and
+    ptxas that built it; the metadata's digest lists both files; the two variants ship the same bytes."""
     import triton
 
     from kerneltools.build import aot
 
-    index = json.loads((built.variant / "_prebuilt_sm90.json").read_text())
-    blob = (built.variant / "_prebuilt_sm90.cubin").read_bytes()
-    assert index["arch"] == 90 and index["triton"] == triton.__version__ and index["compression"] == "zlib"
-    want = [(l["fn"], l["consts"], l["num_warps"], l["num_stages"]) for l in _launches()]
-    assert sorted(map(repr, ((e["fn"], e["consts"], e["num_warps"], e["num_stages"]) for e in index["kernels"]))) \
-        == sorted(map(repr, want))
-    for e in index["kernels"][::37]:
-        cubin = zlib.decompress(blob[e["offset"]:e["offset"] + e["size"]])
-        assert cubin[:4] == b"\x7fELF" and e["name"].encode() in cubin, e["fn"]
-        assert len(e["types"]) == len(e["hints"]) and e["shared"] <= aot.MAX_SHARED[90]
-    files = json.loads((built.variant / "metadata.json").read_text())["digest"]["files"]
-    assert {"_prebuilt_sm90.json", "_prebuilt_sm90.cubin"} <= set(files)
-    assert any("prebuilt Triton kernels" in line for line in built.log), built.log
+    variant = built.variant if which == "compiled" else built.out / "torch-cuda"
+    launches = _launches()
+    files = json.loads((variant / "metadata.json").read_text())["digest"]["files"]
+    for arch in _aot_archs():
+        index, cubins = _cubins(variant, arch)
+        assert index["arch"] == arch and index["triton"] == triton.__version__ and index["compression"] == "zlib"
+        assert index["target"] == aot.sm_target(arch) and index["ptxas"] == "12.9"
+        want = [(l["fn"], l["consts"], l["num_warps"], l["num_stages"]) for l in launches
+                if arch >= 90 or l["module"] not in ("_fused_mlp_triton", "_experts_triton")]
+        assert sorted(map(repr, ((e["fn"], e["consts"], e["num_warps"], e["num_stages"]) for e, _ in cubins))) \
+            == sorted(map(repr, want)), arch
+        for e, cubin in cubins:
+            assert cubin[:4] == b"\x7fELF" and e["name"].encode() in cubin, e["fn"]
+            toolkit, target = aot.cubin_toolkit(cubin)
+            assert toolkit <= aot.MAX_TOOLKIT and target == aot.sm_target(arch), (e["fn"], toolkit, target)
+            assert len(e["types"]) == len(e["hints"]) and e["shared"] <= aot.MAX_SHARED[arch]
+        gemm_stages = {(e["num_stages"], e["compiled_stages"]) for e, _ in cubins
+                       if e["fn"] in ("_paired_gate_up_geglu_kernel", "_grouped_geglu_kernel")}
+        if arch == 120:
+            assert any(c == n - 1 for n, c in gemm_stages), gemm_stages  # 99 KiB: one stage fewer
+        elif arch == 90:
+            assert all(c == n for n, c in gemm_stages), gemm_stages
+        assert {f"_prebuilt_sm{arch}.json", f"_prebuilt_sm{arch}.cubin"} <= set(files)
+        if which == "torch-cuda":
+            for ext in ("json", "cubin"):
+                name = f"_prebuilt_sm{arch}.{ext}"
+                assert (variant / name).read_bytes() == (built.variant / name).read_bytes(), name
+    assert any("prebuilt Triton kernels" in line and "ptxas 12.9" in line for line in built.log), built.log
+
+
+def test_every_shipped_architecture_compiles_each_family(tmp_path):
+    """Every architecture the build ships by default (sm_80, 86, 89, 90, 100, 120) compiles one launch of each
+    kernel family (the TMA GEMMs from sm_90 up) with the build's ptxas: a cubin of CUDA 12.9 for that target whose
+    shared memory fits the architecture (through the build's own workers, as the full build compiles)."""
+    from kerneltools.build import aot
+
+    assert aot.DEFAULT_ARCHS == (80, 86, 89, 90, 100, 120)
+    code = r"""
+import json, sys, zlib
+from kerneltools.build import aot
+ptxas, version = aot.find_ptxas()
+aot._init_worker(sys.argv[1], str(ptxas))
+planned = aot._launches_in_worker()
+sample = {}
+for l in planned:
+    sample.setdefault(l["fn"], l)
+out = []
+for arch in aot.DEFAULT_ARCHS:
+    for l in sample.values():
+        if arch < 90 and l["module"] in ("_fused_mlp_triton", "_experts_triton"):
+            continue
+        res = aot._compile_one(dict(l, arch=arch))
+        toolkit, target = aot.cubin_toolkit(zlib.decompress(res["cubin"]))
+        out.append([arch, l["fn"], list(toolkit), target, res["entry"]["shared"]])
+print(json.dumps(out))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)  # really compiled here
+    proc = subprocess.run([sys.executable, "-c", code, str(REPO / "torch-ext" / "geglu")], capture_output=True,
+                          text=True, env=env, cwd=REPO, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    families = {fn for _, fn, *_ in rows}
+    assert {"_geglu_fwd_flat_kernel", "_fwd_kernel", "_paired_gate_up_geglu_kernel", "_grouped_geglu_kernel"} \
+        <= families
+    for arch in aot.DEFAULT_ARCHS:
+        got = {fn for a, fn, *_ in rows if a == arch}
+        assert got == (families if arch >= 90 else {f for f in families if "gate_up" not in f and "grouped" not in f})
+    for arch, fn, toolkit, target, shared in rows:
+        assert tuple(toolkit) == (12, 9) and target == aot.sm_target(arch) and shared <= aot.MAX_SHARED[arch], \
+            (arch, fn, toolkit, target, shared)
+
+
+def test_ptxas_choice(tmp_path, monkeypatch):
+    """The build's ptxas: Triton's bundled CUDA 12.9 one by default; KERNELTOOLS_AOT_PTXAS picks another, which
+    must be CUDA 12.8 or newer (sm_100a, sm_120a); a CUDA 13 one only when asked for by that variable (its
+    cubins need a CUDA 13 driver), a default newer than 12.9 is refused with what to do."""
+    from kerneltools.build import aot
+
+    monkeypatch.delenv(aot.PTXAS_ENV, raising=False)
+    path, version = aot.find_ptxas()
+    assert version == (12, 9) and path.name == "ptxas"
+
+    def fake(release):
+        p = tmp_path / f"ptxas-{release}"
+        p.write_text(f"#!/bin/sh\necho 'Cuda compilation tools, release {release}, V{release}.1'\n")
+        p.chmod(0o755)
+        return p
+
+    monkeypatch.setenv(aot.PTXAS_ENV, str(fake("12.4")))
+    with pytest.raises(kbuild.BuildError, match=r"CUDA 12.4; the prebuilt cubins need ptxas 12.8 or newer"):
+        aot.find_ptxas()
+    monkeypatch.setenv(aot.PTXAS_ENV, str(fake("13.4")))
+    assert aot.find_ptxas()[1] == (13, 4)
+    monkeypatch.setenv(aot.PTXAS_ENV, str(tmp_path / "missing"))
+    with pytest.raises(kbuild.BuildError, match="is not an executable ptxas"):
+        aot.find_ptxas()
+    monkeypatch.delenv(aot.PTXAS_ENV)
+    import triton
+
+    bundled = tmp_path / "triton" / "backends" / "nvidia" / "bin"
+    bundled.mkdir(parents=True)
+    (bundled / "ptxas").write_bytes(fake("13.4").read_bytes())
+    (bundled / "ptxas").chmod(0o755)
+    monkeypatch.setattr(triton, "__file__", str(tmp_path / "triton" / "__init__.py"))
+    with pytest.raises(kbuild.BuildError, match=r"is CUDA 13.4: its cubins need a CUDA 13 driver. Set "
+                                                r"KERNELTOOLS_AOT_PTXAS to a CUDA 12.9 ptxas"):
+        aot.find_ptxas()
 
 
 def test_prebuilt_sass_uses_the_instructions_the_kernels_are_tuned_for(built):
@@ -181,6 +303,8 @@ def test_prebuilt_sass_uses_the_instructions_the_kernels_are_tuned_for(built):
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if not cuobjdump.is_file():
         pytest.skip("this Triton has no bundled cuobjdump")
+    if 90 not in _aot_archs():
+        pytest.skip(f"GEGLU_TEST_AOT_CAPABILITY={AOT_CAPABILITY} builds no sm_90 kernels")
     index = json.loads((built.variant / "_prebuilt_sm90.json").read_text())["kernels"]
     blob = (built.variant / "_prebuilt_sm90.cubin").read_bytes()
     c = lambda e, i: e["consts"][i]  # noqa: E731
@@ -235,6 +359,53 @@ def test_no_prebuilt_kernels_when_asked_for_none(built, tmp_path, monkeypatch):
         aot.parse_archs("sm_90")
 
 
+def test_the_cuda_12_variant_name_is_what_kernels_gives_cuda_12_torch_builds():
+    """A compiled variant built with nvcc 12.4 is named cu124, and kernels' resolver gives it to torch >= 2.10 on
+    CUDA 12.4-12.9 (cu126, cu128, cu129 builds), the cu130 one to CUDA 13 torch, and torch-cuda to the rest."""
+    variants = pytest.importorskip("kernels.variants")
+    resolve = getattr(variants, "_resolve_variant_for_system", None)
+    if resolve is None:
+        pytest.skip("this kernels has no _resolve_variant_for_system")
+    from kernels.backends import CUDA
+    from packaging.version import Version
+
+    cfg = kbuild.read_config(REPO)
+    names = [cuda_build.variant_name(cfg, cuda_build.Nvcc(Path("nvcc"), major, minor, "", ()))
+             for major, minor in ((12, 4), (13, 0))]
+    assert names == ["torch-stable-abi210-cu124-x86_64-linux", "torch-stable-abi210-cu130-x86_64-linux"]
+    parsed = [variants.parse_variant(n) for n in names + ["torch-cuda", "torch-cpu"]]
+    picks = {}
+    for cuda, torch_version in (("12.4", "2.10.0"), ("12.6", "2.10.0"), ("12.8", "2.11.0"), ("12.9", "2.12.0"),
+                                ("13.0", "2.11.0"), ("12.1", "2.10.0"), ("12.8", "2.9.0")):
+        accepted, _ = resolve(parsed, CUDA(Version(cuda)), "x86_64", "linux", Version(torch_version), True, None)
+        picks[(cuda, torch_version)] = accepted[0].variant_str
+    assert picks == {("12.4", "2.10.0"): names[0], ("12.6", "2.10.0"): names[0], ("12.8", "2.11.0"): names[0],
+                     ("12.9", "2.12.0"): names[0], ("13.0", "2.11.0"): names[1], ("12.1", "2.10.0"): "torch-cuda",
+                     ("12.8", "2.9.0"): "torch-cuda"}
+
+
+CUDA12_NVCC = Path(os.environ.get("GEGLU_CUDA12_NVCC", "/opt/cuda-12.4/bin/nvcc"))
+
+
+@pytest.mark.skipif(not CUDA12_NVCC.is_file(), reason="no CUDA 12 nvcc (bash scripts/setup-cuda12.sh installs one)")
+def test_cuda_12_build(tmp_path, monkeypatch):
+    """With the CUDA 12 toolchain of scripts/setup-cuda12.sh: the compiled variant builds as cu124 for the
+    capabilities nvcc 12.4 has (sm_100 and sm_120 dropped with a note, compute_90 PTX for them), passes the ABI
+    check and needs CUDA 12's runtime."""
+    monkeypatch.setenv("NVCC", str(CUDA12_NVCC))
+    monkeypatch.setenv("KERNELTOOLS_CUDA_CACHE", str(tmp_path / "objects"))
+    log: list[str] = []
+    variant = cuda_build.build_compiled(kbuild.read_config(REPO), tmp_path, _sid(), log=log.append, aot_archs=[])
+    assert variant.name == "torch-stable-abi210-cu124-x86_64-linux"
+    assert any("does not support 10.0, 12.0" in line for line in log), log
+    meta = json.loads((variant / "metadata.json").read_text())
+    assert meta["backend"]["archs"] == ["8.0", "8.6", "8.9", "9.0+PTX"]
+    so = next(variant.glob("*.abi3.so"))
+    needed = subprocess.run(["readelf", "-d", str(so)], capture_output=True, text=True, check=True).stdout
+    assert "[libcudart.so.12]" in needed and "libcudart.so.13" not in needed
+    assert any("ABI check" in line for line in log)
+
+
 def test_metadata_archs_full_list():
     caps = ["8.0", "8.6", "8.9", "9.0", "10.0", "12.0"]
     assert cuda_build.metadata_archs(caps) == ["8.0", "8.6", "8.9", "9.0", "10.0", "12.0+PTX"]
@@ -277,23 +448,25 @@ def test_linking_and_exports(built):
 
 
 def test_kernels_resolution_on_cpu(built):
-    from kernels.variants import VariantAccepted, VariantRejected, get_variants_local, resolve_variants
+    from kerneltools.kernels_api import resolve_local
 
-    _, trace = resolve_variants(get_variants_local(built.out))
-    by_name = {d.variant.variant_str: d for d in trace}
+    trace = resolve_local(built.out)
+    by_name = {d.name: d for d in trace}
     assert set(by_name) == {"torch-cpu", "torch-cuda", built.variant.name}
-    assert isinstance(trace[0], VariantAccepted) and trace[0].variant.variant_str == "torch-cpu"
+    assert trace[0].accepted and trace[0].name == "torch-cpu"
     compiled = by_name[built.variant.name]
-    assert isinstance(compiled, VariantRejected)
+    assert not compiled.accepted
     assert "backend" in compiled.reason and "cpu" in compiled.reason, compiled.reason
-    assert isinstance(by_name["torch-cuda"], VariantRejected)
+    assert not by_name["torch-cuda"].accepted
 
 
 def test_get_local_kernel_chooses_cpu(built):
     import kernels
 
     module = kernels.get_local_kernel(built.out)
-    assert Path(module.__file__).parent == built.out / "torch-cpu"
+    # the CPU variant: this build's, or (kernels >= 0.18) the identical build of the same id another test loaded
+    # first, which kernels reuses after checking that the two digests agree
+    assert Path(module.__file__).parent.name == "torch-cpu"
     assert module.HAS_CUDA_LIB is False
 
 
@@ -423,7 +596,8 @@ def test_rebuild_without_changes_does_not_recompile(built, monkeypatch):
 
     monkeypatch.setattr(cuda_build, "run_nvcc", no_build)
     monkeypatch.setattr(cuda_build, "_compile_and_link", no_build)
-    variant = cuda_build.build_compiled(cfg, built.out, _sid(), capability=CAP, log=log.append)
+    variant = cuda_build.build_compiled(cfg, built.out, _sid(), capability=CAP, log=log.append,
+                                        aot_archs=_aot_archs())
     assert variant == built.variant
     assert any("up to date" in line for line in log), log
     assert not any("geglu_kernels.cu" in line for line in log), log  # no nvcc, no cached-object relink
@@ -437,7 +611,7 @@ def test_new_ops_id_relinks_without_nvcc(built, tmp_path, monkeypatch):
     cfg = kbuild.read_config(REPO)
     sid = kbuild.SourceId("abcdef1", None, True)
     log: list[str] = []
-    variant = cuda_build.build_compiled(cfg, tmp_path, sid, capability=CAP, log=log.append)
+    variant = cuda_build.build_compiled(cfg, tmp_path, sid, capability=CAP, log=log.append, aot_archs=_aot_archs())
     assert any("reusing the cached object" in line for line in log), log
     assert (variant / "_geglu_cuda_abcdef1_dirty.abi3.so").is_file()
     meta = json.loads((variant / "metadata.json").read_text())

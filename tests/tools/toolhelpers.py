@@ -212,7 +212,7 @@ class GegluBuild:
 def build_geglu(src_root: Path, out: Path) -> GegluBuild:
     from kerneltools.build import build, source_id
 
-    dirs = build(src_root, out, variants=["cpu", "cuda"], log=lambda *a: None)
+    dirs = build(src_root, out, variants=["cpu", "cuda"], aot_capability="none", log=lambda *a: None)
     return GegluBuild(out, src_root / "build.toml",
                       {d.name: json.loads((d / "metadata.json").read_text())["id"] for d in dirs},
                       source_id(src_root).dirty)

@@ -9,11 +9,20 @@ declared ``sm_XY`` and writes them beside this file (the variant stays one flat 
                             parameter list, TMA descriptor layouts, offset and size in the .cubin file)
     _prebuilt_sm90.cubin    the cubins, each zlib-compressed, concatenated
 
-At run time :func:`launch` finds the entry for a launch on the current device's architecture and launches it with
+Which binaries a device runs (:func:`serving_arch`): those built for its exact capability; else, for an sm_8x
+GPU, those of the highest shipped sm_8y with y <= x (NVIDIA's binary compatibility: an sm_80 / sm_86 cubin runs on
+later minors of major 8); else none. From sm_90 up the cubins target the arch-specific ``sm_90a`` / ``sm_100a`` /
+``sm_120a`` (wgmma, TMA), which run on that one architecture only: sm_103 (B300) and sm_121 (DGX Spark) get none,
+nor does sm_75 (T4).
+
+At run time :func:`find` finds the entry for a launch on the device's architecture and launches it with
 ``cuLaunchKernel`` (``libcuda``, which torch has already loaded); TMA descriptors are encoded with
-``cuTensorMapEncodeTiled`` as Triton's launcher encodes them. A launch without an entry (another architecture, a
-variant without these files, an unaligned argument, a plan the build did not cover) returns False and the caller uses
-Triton's JIT, as without prebuilt kernels. The ``prebuilt`` setting (``GEGLU_PREBUILT=0``) turns this off.
+``cuTensorMapEncodeTiled`` as Triton's launcher encodes them. A launch without an entry (an architecture without
+binaries, a variant without these files, an unaligned argument, a plan the build did not cover) returns None and the
+caller uses Triton's JIT, as without prebuilt kernels. A binary the driver refuses (``cuModuleLoadData`` or the
+function lookup fails, e.g. a driver older than the toolkit that assembled it) turns the prebuilt kernels off on
+that device, with one warning: every kernel not loaded there yet goes through Triton's JIT from then on. The
+``prebuilt`` setting (``GEGLU_PREBUILT=0``) turns them off everywhere.
 """
 
 import ctypes
@@ -21,6 +30,7 @@ import json
 import os
 import struct
 import threading
+import warnings
 import zlib
 
 import torch
@@ -110,8 +120,26 @@ def _index(arch: int):
 
 
 def architectures():
-    """The architectures this variant ships prebuilt kernels for, e.g. [90]."""
+    """The architectures this variant ships prebuilt kernels for, e.g. [80, 86, 89, 90, 100, 120]."""
     return sorted(int(n[len(PREFIX):-5]) for n in os.listdir(HERE) if n.startswith(PREFIX) and n.endswith(".json"))
+
+
+def serving_arch(capability: int, shipped) -> "int | None":
+    """The shipped architecture whose binaries a device of ``capability`` (XY, e.g. 87) runs, or None (Triton's
+    JIT): the exact one; else, below sm_90, the highest shipped one of the same major and a lower minor (portable
+    ``sm_8x`` cubins run on later minors); never across majors, and never another arch's ``sm_XYa`` binaries."""
+    if capability in shipped:
+        return capability
+    if capability >= 90:
+        return None
+    same_major = [a for a in shipped if a // 10 == capability // 10 and a < capability]
+    return max(same_major) if same_major else None
+
+
+# The GPU families the docs' table lists: capability -> examples (what prebuilt_kernels() reports per family)
+FAMILIES = {75: "T4, RTX 20", 80: "A100, A30", 86: "A10, A40, RTX 30", 87: "Jetson Orin", 89: "L4, L40S, RTX 40",
+            90: "H100, H200, GH200", 100: "B200, GB200", 103: "B300, GB300", 110: "Jetson Thor",
+            120: "RTX 50, RTX PRO 6000", 121: "DGX Spark"}
 
 
 def preload() -> None:
@@ -121,15 +149,28 @@ def preload() -> None:
 
 
 def info() -> dict:
-    """What this variant ships prebuilt: ``{'architectures': [90], 'kernels': {90: 1098}, 'triton': '3.9.0'}`` (the
-    compute capabilities as XY, the kernels per architecture, the Triton that compiled them); no architectures in a
-    variant without prebuilt kernels (there every Triton kernel is compiled by the JIT at first use)."""
-    out = {"architectures": architectures(), "kernels": {}, "triton": None}
+    """What this variant ships prebuilt, e.g. ``{'architectures': [80, 86, 89, 90, 100, 120], 'kernels': {80: 984,
+    ...}, 'targets': {80: 'sm_80', ..., 90: 'sm_90a', ...}, 'ptxas': '12.9', 'triton': '3.9.0', 'gpus': {...},
+    'refused': {}}``: the compute capabilities as XY, the kernels and the ptxas target per architecture, the CUDA
+    release of the ptxas and the Triton that compiled them; ``gpus`` maps each GPU family's capability (75, 80, 86,
+    87, 89, 90, 100, 103, 110, 120, 121) to ``{'examples': ..., 'runs': 'sm_86'}`` (the binaries it runs) or
+    ``'runs': 'jit'`` (Triton compiles on it); ``refused`` lists the devices whose driver refused the binaries
+    (index -> the error), which run the JIT. No architectures in a variant without prebuilt kernels (there every
+    Triton kernel is compiled by the JIT at first use)."""
+    out = {"architectures": architectures(), "kernels": {}, "targets": {}, "ptxas": None, "triton": None}
     for arch in out["architectures"]:
         with open(os.path.join(HERE, f"{PREFIX}{arch}.json")) as f:
             manifest = json.load(f)
         out["kernels"][arch] = len(manifest["kernels"])
+        out["targets"][arch] = manifest.get("target")
+        out["ptxas"] = manifest.get("ptxas")
         out["triton"] = manifest.get("triton")
+    gpus = {}
+    for cap, examples in FAMILIES.items():
+        arch = serving_arch(cap, out["architectures"])
+        gpus[cap] = {"examples": examples, "runs": "jit" if arch is None else f"sm_{arch}"}
+    out["gpus"] = gpus
+    out["refused"] = dict(_refused)
     return out
 
 
@@ -139,6 +180,11 @@ _cuda = None
 _arch_of = {}  # device index -> sm number (None: no prebuilt kernels there)
 _loaded = {}  # (entry id, device) -> CUfunction
 _launchers = {}  # (entry id, device) -> run
+_refused = {}  # device index -> why its driver refused a prebuilt binary (the JIT runs there)
+
+
+class _Refused(Exception):
+    """The driver refused a prebuilt binary (cuModuleLoadData / cuModuleGetFunction / cuFuncSetAttribute)."""
 
 
 def _driver():
@@ -160,20 +206,29 @@ def _driver():
     return _cuda
 
 
+def _error_text(status: int) -> str:
+    msg = ctypes.c_char_p()
+    _cuda.cuGetErrorString(status, ctypes.byref(msg))
+    return msg.value.decode() if msg.value else "unknown"
+
+
 def _check(status: int, what: str) -> None:
     if status:
-        msg = ctypes.c_char_p()
-        _cuda.cuGetErrorString(status, ctypes.byref(msg))
-        raise RuntimeError(f"geglu: {what} failed with CUDA error {status} "
-                           f"({msg.value.decode() if msg.value else 'unknown'}) for a prebuilt kernel.")
+        raise RuntimeError(f"geglu: {what} failed with CUDA error {status} ({_error_text(status)}) for a prebuilt "
+                           "kernel.")
+
+
+def _check_load(status: int, what: str) -> None:
+    if status:
+        raise _Refused(f"{what} failed with CUDA error {status} ({_error_text(status)})")
 
 
 def _arch(device_index: int):
     arch = _arch_of.get(device_index, False)
     if arch is False:
         major, minor = torch.cuda.get_device_capability(device_index)
-        arch = major * 10 + minor
-        arch = arch if _index(arch) is not None else None
+        arch = serving_arch(major * 10 + minor, architectures())
+        arch = arch if arch is not None and _index(arch) is not None else None
         _arch_of[device_index] = arch
     return arch
 
@@ -190,10 +245,11 @@ def _function(entry: dict, device_index: int, blob: bytes):
             _check(lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
         module, fn_ptr = ctypes.c_void_p(), ctypes.c_void_p()
         image = zlib.decompress(blob[entry["offset"]:entry["offset"] + entry["size"]])
-        _check(lib.cuModuleLoadData(ctypes.byref(module), image), "cuModuleLoadData")
-        _check(lib.cuModuleGetFunction(ctypes.byref(fn_ptr), module, entry["name"].encode()), "cuModuleGetFunction")
+        _check_load(lib.cuModuleLoadData(ctypes.byref(module), image), "cuModuleLoadData")
+        _check_load(lib.cuModuleGetFunction(ctypes.byref(fn_ptr), module, entry["name"].encode()),
+                    "cuModuleGetFunction")
         if entry["shared"] > 48 * 1024:  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            _check(lib.cuFuncSetAttribute(fn_ptr, 8, entry["shared"]), "cuFuncSetAttribute")
+            _check_load(lib.cuFuncSetAttribute(fn_ptr, 8, entry["shared"]), "cuFuncSetAttribute")
         fn = _loaded[fid] = fn_ptr.value
     return fn
 
@@ -257,9 +313,28 @@ def find(fn_name: str, args, consts, num_warps: int, num_stages: int, device_ind
             lid = (id(entry), device_index)
             run = _launchers.get(lid)
             if run is None:
-                run = _launchers[lid] = _launcher(entry, _function(entry, device_index, blob))
+                try:
+                    function = _function(entry, device_index, blob)
+                except _Refused as e:
+                    _refuse(device_index, arch, e)
+                    return None
+                run = _launchers[lid] = _launcher(entry, function)
             return run
     return None
+
+
+def _refuse(device_index: int, arch: int, error: Exception) -> None:
+    """The driver refused a prebuilt binary: no more prebuilt kernels loaded on this device (the JIT runs the
+    rest), said once."""
+    with _lock:
+        if device_index in _refused:
+            return
+        _refused[device_index] = str(error)
+        _arch_of[device_index] = None
+    warnings.warn(f"geglu: the CUDA driver refused the prebuilt sm_{arch} kernels on cuda:{device_index} ({error}); "
+                  "Triton's JIT compiles the kernels there instead (a first call of each takes seconds). A driver "
+                  "older than the toolkit that built them (see geglu.prebuilt_kernels()['ptxas']) refuses them: "
+                  "update the driver, or set GEGLU_PREBUILT=0 to skip them.", RuntimeWarning, stacklevel=3)
 
 
 def _launcher(entry: dict, function: int):
@@ -316,4 +391,4 @@ def _launcher(entry: dict, function: int):
     return run
 
 
-__all__ = ["Desc", "find", "info", "architectures", "arg_type", "arg_hint", "key"]
+__all__ = ["Desc", "find", "info", "architectures", "serving_arch", "arg_type", "arg_hint", "key"]
