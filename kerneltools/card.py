@@ -96,58 +96,49 @@ class CardVariant:
         return variant_serves(self.name)
 
 
-def _version(v) -> str:
-    return ".".join(str(p) for p in v.release) if hasattr(v, "release") else str(v)
-
-
 def variant_serves(name: str) -> str:
     """Which torch / CUDA / CPU combination the kernels loader picks this variant for (its own parser and rules:
     stable-ABI needs torch >= its ABI version, CUDA variants the same CUDA major and a minor <= torch's, noarch
     variants the matching backend; more specific variants are preferred)."""
-    from kernels.variants import ArchVariant, parse_variant
+    from .kernels_api import parse_variant
 
     try:
         v = parse_variant(name)
     except ValueError:
         return "not a variant name the kernels loader knows: never loaded"
-    if isinstance(v, ArchVariant):
-        fw, arch = v.framework, v.arch
-        fw_kind = type(fw).__name__
-        if fw_kind == "TorchStableAbi":
-            torch_part = f"torch >= {_version(fw.version)}"
-        elif fw_kind == "Torch":
-            torch_part = f"torch {_version(fw.version)}" + (" (C++11 ABI)" if getattr(fw, "cxx11_abi", False) else "")
+    if v.arch:
+        if v.framework == "TorchStableAbi":
+            torch_part = f"torch >= {v.framework_version}"
+        elif v.framework == "Torch":
+            torch_part = f"torch {v.framework_version}" + (" (C++11 ABI)" if v.cxx11_abi else "")
         else:  # TvmFfi
-            torch_part = f"tvm-ffi {_version(getattr(fw, 'version', ''))}".strip()
-        backend = arch.backend
-        b_kind = type(backend).__name__
-        b_version = getattr(backend, "version", None)
-        if b_kind == "CUDA" and b_version is not None:
-            major, minor = (b_version.release + (0,))[:2]
+            torch_part = f"tvm-ffi {v.framework_version or ''}".strip()
+        if v.backend == "CUDA" and v.backend_version is not None:
+            major, minor = (v.backend_version + (0,))[:2]
             backend_part = f"CUDA {major}.x" if minor == 0 else f"CUDA {major}.{minor} or a later {major}.x"
         else:
-            backend_part = f"{b_kind}{' ' + _version(b_version) if b_version is not None else ''}"
-        return f"{torch_part} built with {backend_part}, {arch.platform} {arch.os.capitalize()}"
-    backend = v.arch.backend_name
-    if backend == "cpu":
+            version = ".".join(map(str, v.backend_version)) if v.backend_version else ""
+            backend_part = f"{v.backend}{' ' + version if version else ''}"
+        return f"{torch_part} built with {backend_part}, {v.platform} {v.os.capitalize()}"
+    if v.backend == "cpu":
         return "torch on CPU, any version"
-    if backend == "universal":
+    if v.backend == "universal":
         return "any torch that no other variant serves (legacy universal build)"
-    return f"any {backend.upper() if backend == 'cuda' else backend} torch that no compiled variant serves"
+    return f"any {v.backend.upper() if v.backend == 'cuda' else v.backend} torch that no compiled variant serves"
 
 
 def loader_preference(name: str) -> int:
     """The order in which the kernels loader prefers variants that fit: stable ABI, per-torch builds, tvm-ffi,
     noarch, the legacy torch-universal; unknown names last."""
-    from kernels.variants import ArchVariant, parse_variant
+    from .kernels_api import parse_variant
 
     try:
         v = parse_variant(name)
     except ValueError:
         return 5
-    if isinstance(v, ArchVariant):
-        return {"TorchStableAbi": 0, "Torch": 1}.get(type(v.framework).__name__, 2)
-    return 4 if v.arch.backend_name == "universal" else 3
+    if v.arch:
+        return {"TorchStableAbi": 0, "Torch": 1}.get(v.framework, 2)
+    return 4 if v.backend == "universal" else 3
 
 
 def _all_of(path: Path) -> list[str] | None:

@@ -87,8 +87,9 @@ def run(workdir: Path, endpoint: str | None, keep: bool) -> int:
     if shutil.which("nvcc") and (ROOT / "geglu" / "geglu_kernels.cu").is_file():
         variants.append("cuda-compiled")
     # publish expects build/ beside build.toml: build into workdir and point publish at the repo's build.toml
+    # one architecture's prebuilt kernels (GEGLU_DEMO_AOT_CAPABILITY): the demo shows the route, not the fleet
     built = build(ROOT, build_dir, variants=variants, capability=os.environ.get("GEGLU_DEMO_CAPABILITY", "9.0"),
-                  log=lambda m: log.info(m))
+                  aot_capability=os.environ.get("GEGLU_DEMO_AOT_CAPABILITY", "9.0"), log=lambda m: log.info(m))
     for v in built:
         log.info(f"{v.name}")
 
@@ -126,7 +127,8 @@ def _rest(log: _Log, build_dir: Path, endpoint: str) -> int:
         def filter(self, record):
             return "No kernel mapping found for layer" not in record.getMessage()
 
-    logging.getLogger("kernels.layer.layer").addFilter(_NoMappingNoise())
+    for name in ("kernels._internals.layer.layer", "kernels.layer.layer"):  # kernels 0.18+, 0.17
+        logging.getLogger(name).addFilter(_NoMappingNoise())
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
     # 3. publish
@@ -157,7 +159,7 @@ def _rest(log: _Log, build_dir: Path, endpoint: str) -> int:
     log.info(f"geglu(gate, up, 'tanh') == F.gelu(gate, approximate='tanh') * up: {same}")
 
     # 5. kernelize a Gemma-style model
-    log.step("kernelize a small Gemma model (GemmaMLP -> hub layer GeGLUMLP), via register_geglu_kernels()")
+    log.step("kernelize a small Gemma model (GemmaMLP -> hub layer GeGLUMLP), via geglu.register_transformers()")
     from transformers.models.gemma.modeling_gemma import GemmaMLP
 
     model = tiny_gemma(device)
@@ -172,12 +174,10 @@ def _rest(log: _Log, build_dir: Path, endpoint: str) -> int:
     with torch.no_grad():
         before = {k: _per_forward(lambda x=x: mlp(x), device) for k, x in xs.items()}
 
-    from .transformers_kernels import register_geglu_kernels
-
-    # the one call users make; norms=False: this demo checks the GeGLU MLPs bit for bit, and on a GPU the fused
-    # Gemma RMSNorm is within one ulp of eager, not bit-exact (docs/rmsnorm.md)
-    reg = register_geglu_kernels(REPO_ID, version=1, devices=(device,), norms=False)
-    log.info(f"register_geglu_kernels: {len(reg.classes)} transformers GeGLU classes mapped to {REPO_ID} v1")
+    # the one call users make (the kernel ships it); norms=False: this demo checks the GeGLU MLPs bit for bit, and on
+    # a GPU the fused Gemma RMSNorm is within one ulp of eager, not bit-exact (docs/rmsnorm.md)
+    reg = geglu.register_transformers(devices=(device,), norms=False)
+    log.info(f"geglu.register_transformers(): {len(reg.classes)} transformers classes mapped to the loaded kernel")
     kernelize(model, mode=Mode.INFERENCE, device=device)
     swapped = sum(isinstance(m, GemmaMLP) and "GeGLUMLP" in m.forward.__qualname__ for m in model.modules())
     with torch.no_grad():

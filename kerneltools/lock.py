@@ -70,7 +70,7 @@ def kernels_cache_dir(cache_dir=None) -> Path:
 
 def read_lockfile(path) -> list[tuple[object, str]]:
     """``[(KernelDependency, commit)]`` from a kernels.lock (or a project folder holding one), parsed by kernels."""
-    from kernels._rust import KernelLocks
+    from .kernels_api import read_locks
 
     path = Path(path)
     if path.is_dir():
@@ -79,11 +79,10 @@ def read_lockfile(path) -> list[tuple[object, str]]:
         raise PrefetchError(f"Lock file {path} does not exist. Create it with `kernels lock <project dir>` (the "
                             "project's pyproject.toml lists [tool.kernels.dependencies]).")
     try:
-        locks = KernelLocks.from_json(path.read_text())
+        return read_locks(path.read_text())
     except ValueError as e:
-        raise PrefetchError(f"{path} is not a kernels 0.17 lock file ({e}). Regenerate it with "
+        raise PrefetchError(f"{path} is not a lock file this kernels reads ({e}). Regenerate it with "
                             "`kernels lock <project dir>`.") from None
-    return [(dep, lock.commit) for dep, lock in locks.items()]
 
 
 def _is_transport_error(e: BaseException | None) -> bool:
@@ -127,7 +126,7 @@ class _Prefetcher:
         return self._fetch(repo_id, sha, ref=revision)
 
     def dependency(self, dep, needed_by: str) -> Prefetched:
-        from kernels._rust import KernelVersion
+        from .kernels_api import dependency_revision, dependency_version
 
         if self.locks is not None:
             commit = self.locks.get(dep)
@@ -135,9 +134,9 @@ class _Prefetcher:
                 raise PrefetchError(f"{needed_by} depends on {dep.repo_id}, which the lock file does not pin. "
                                     "Re-run `kernels lock <project dir>`.")
             return self.commit(dep.repo_id, commit)
-        if isinstance(dep.version, KernelVersion.Version):
-            return self.version(dep.repo_id, dep.version.version)
-        return self.revision(dep.repo_id, dep.version.revision)
+        if dependency_version(dep) is not None:
+            return self.version(dep.repo_id, dependency_version(dep))
+        return self.revision(dep.repo_id, dependency_revision(dep))
 
     # --- how ------------------------------------------------------------------------------------------------------
 
@@ -327,7 +326,8 @@ def add_parser(subparsers) -> None:
         description="Download complete snapshots of a kernel version, or of the kernels pinned by a kernels.lock, "
                     "into the kernels cache ($KERNELS_CACHE, else the hub cache), so that get_kernel(version=N), "
                     "get_locked_kernel, load_kernel and LockedLayerRepository work with HF_HUB_OFFLINE=1. "
-                    "Needed with kernels 0.17.2: a normal online load leaves a cache that offline loads reject.")
+                    "Needed with kernels 0.17, where a normal online load leaves a cache that offline loads reject; "
+                    "with kernels 0.19 it adds the digest check of every variant.")
     p.add_argument("repo_id", nargs="?", help="ORG/NAME (required with --version; with --lockfile: only this kernel)")
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--version", type=int, help="major version N (branch vN)")

@@ -119,7 +119,7 @@ def scan_build(build_dir: Path) -> list[Variant]:
             raise PublishError(f"{meta_path} must hold a JSON object. Rebuild the variant.")
         missing = [k for k in REQUIRED_METADATA if k not in meta]
         if missing:
-            raise PublishError(f"{meta_path} lacks required field(s) {', '.join(missing)}; kernels 0.17 refuses to "
+            raise PublishError(f"{meta_path} lacks required field(s) {', '.join(missing)}; kernels refuses to "
                                f"load a variant without them (it needs {', '.join(REQUIRED_METADATA)}). Rebuild with "
                                "the current builder.")
         if not isinstance(meta["version"], int) or isinstance(meta["version"], bool) or meta["version"] < 0:
@@ -150,7 +150,7 @@ def _strict_parse(meta_path: Path) -> None:
     """Parse metadata.json with the loader's own parser when it is installed, so that a variant kernels cannot load
     is never published (e.g. a provenance without 'kernel-builder', or a short commit id)."""
     try:
-        from kernels._rust import Metadata  # private API of kernels 0.17; skipped when absent or changed
+        from kernels import Metadata
     except Exception:
         return
     try:

@@ -18,11 +18,12 @@ def config():
         return tomllib.load(f)
 
 
+@pytest.mark.ecosystem
 def test_build_toml_passes_kernels_own_parser():
-    from kernels._rust import Backend, Build
+    from kerneltools.kernels_api import build_backend, open_build_toml
 
-    parsed = Build.open(ROOT)
-    assert sorted(map(str, parsed.general.backends)) == sorted(map(str, (Backend.CPU, Backend.CUDA)))
+    parsed = open_build_toml(ROOT)
+    assert sorted(map(str, parsed.general.backends)) == sorted(map(str, (build_backend("cpu"), build_backend("cuda"))))
 
 
 @pytest.mark.parametrize("edit, message", [
@@ -31,15 +32,16 @@ def test_build_toml_passes_kernels_own_parser():
     (('edition = 5\n', ''), "unsupported legacy format"),
     (('depends = ["torch"]', 'depends = ["cutlass_3_x"]'), "cutlass_3_x"),
 ])
+@pytest.mark.ecosystem
 def test_kernels_parser_rejects_what_kernel_builder_rejects(tmp_path, edit, message):
     """The parser really checks: the same file with one kernel-builder rule broken is refused."""
-    from kernels._rust import Build
+    from kerneltools.kernels_api import open_build_toml
 
     text = (ROOT / "build.toml").read_text()
     assert edit[0] in text
     (tmp_path / "build.toml").write_text(text.replace(edit[0], edit[1], 1))
     with pytest.raises(ValueError, match=message):
-        Build.open(tmp_path)
+        open_build_toml(tmp_path)
 
 
 def test_what_this_repository_needs(config):

@@ -169,3 +169,16 @@ def round_order(names: list, r: int) -> list:
     k = r % len(names)
     order = names[k:] + names[:k]
     return order[::-1] if (r // len(names)) % 2 else order
+
+
+def cache_arg(model) -> str:
+    """The name under which ``model``'s forward takes its KV cache: ``cache`` from transformers 5.25 (which
+    deprecates ``past_key_values``), ``past_key_values`` before."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+
+
+def output_cache(out):
+    """The KV cache a model's output carries (``cache`` from transformers 5.25, ``past_key_values`` before)."""
+    return out["cache"] if "cache" in out else out["past_key_values"]

@@ -205,6 +205,8 @@ def run(args, log=print) -> dict:
     from kernels import Mode, kernelize
     from torch.distributed.device_mesh import init_device_mesh
 
+    from kerneltools.bench.common import cache_arg, output_cache
+
     _defaults(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype or ("bfloat16" if device == "cuda" else "float32"))
@@ -242,9 +244,10 @@ def run(args, log=print) -> dict:
         def load():
             if world > 1:
                 dcfg = transformers.DistributedConfig(tp_plan="auto", tp_size=world)
-                return transformers.Gemma3ForCausalLM.from_pretrained(model_dir, dtype=dtype,
-                                                                       distributed_config=dcfg).eval()
-            m = transformers.Gemma3ForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+                return transformers.Gemma3ForCausalLM.from_pretrained(model_dir, dtype=dtype, distributed_config=dcfg,
+                                                                       use_kernels=False).eval()
+            m = transformers.Gemma3ForCausalLM.from_pretrained(model_dir, dtype=dtype, use_kernels=False)
+            m = m.to(device).eval()
             _torch_tp(m, init_device_mesh(device, (1,)))
             return m
 
@@ -270,14 +273,15 @@ def run(args, log=print) -> dict:
 
                 def prefill(k, m):
                     def fn():
-                        caches[k] = m(input_ids=ids, use_cache=True, logits_to_keep=1).past_key_values
+                        caches[k] = output_cache(m(input_ids=ids, use_cache=True, logits_to_keep=1))
                     return fn
 
                 def steps(k, m):
                     def fn():
                         cache = caches.pop(k)
                         for _ in range(args.decode_steps):
-                            cache = m(input_ids=step_ids, past_key_values=cache, use_cache=True).past_key_values
+                            cache = output_cache(m(**{"input_ids": step_ids, cache_arg(m): cache,
+                                                      "use_cache": True}))
                     return fn
 
                 with torch.no_grad():  # each timed round starts from a freshly prefilled cache (untimed)
@@ -297,7 +301,8 @@ def run(args, log=print) -> dict:
             mesh = init_device_mesh(device, (world,))
             models = {}
             for k in ("eager", "kernelized"):
-                m = transformers.Gemma3ForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
+                # use_kernels=False: transformers >= 5.25 kernelizes in from_pretrained by default
+                m = transformers.Gemma3ForCausalLM.from_pretrained(model_dir, dtype=dtype, use_kernels=False).to(device)
                 if k == "kernelized":
                     kernelize(m, mode=Mode.TRAINING, device=device)
                 for layer in m.model.layers:

@@ -315,13 +315,14 @@ def tp_checks(kernel, calls, mesh, rank, work: Path) -> dict:
         transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**GEMMA3)).save_pretrained(path)
     dist.barrier()
     cls = transformers.Gemma3ForCausalLM
-    ref = cls.from_pretrained(path, dtype=torch.float32).eval()
+    # use_kernels=False: transformers >= 5.25 kernelizes in from_pretrained by default, with the registered mapping
+    ref = cls.from_pretrained(path, dtype=torch.float32, use_kernels=False).eval()
     for training in (False, True):
         mode = "training" if training else "inference"
 
         def gemma(training=training):
             cfg = transformers.DistributedConfig(tp_plan="auto", tp_size=dist.get_world_size())
-            tp_eager = cls.from_pretrained(path, dtype=torch.float32, distributed_config=cfg).eval()
+            tp_eager = cls.from_pretrained(path, dtype=torch.float32, distributed_config=cfg, use_kernels=False).eval()
             tp = cls.from_pretrained(path, dtype=torch.float32, distributed_config=cfg).eval()
             kernelize(tp, training)
             w = tp.model.layers[0].mlp.gate_proj.weight

@@ -40,10 +40,11 @@ def _mod(geglu, name):
 
 
 def test_host_transcription_is_transformers_forward():
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 
-    assert transformers.__version__ == "5.22.2", "the transcription is of transformers 5.22.2's forward"
+    # the transcription is compared, bit for bit, with the installed transformers' Gemma3RMSNorm (CI runs the
+    # oldest and the newest supported transformers)
     x, w, _ = _data((3, 5, 48), torch.bfloat16, seed=_seed("host"))
     mod = Gemma3RMSNorm(48, eps=EPS).to(torch.bfloat16)
     with torch.no_grad():

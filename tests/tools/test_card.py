@@ -51,18 +51,13 @@ def test_variant_serves(name, serves):
     ("2.9", "13.0", "torch-cuda"),  # older than the stable ABI
     ("2.13", None, "torch-cpu"),
 ])
+@pytest.mark.ecosystem
 def test_the_card_says_what_the_loader_does(torch_version, cuda, picked):
     """The card's claims, checked with kernels' own variant resolution for the system described."""
-    from kernels.backends import CPU, CUDA
-    from kernels.variants import _resolve_variant_for_system, parse_variant
-    from packaging.version import Version
+    from kerneltools.kernels_api import resolve_for_system
 
     names = ["torch-stable-abi210-cu130-x86_64-linux", "torch-cuda", "torch-cpu"]
-    backend = CUDA(version=Version(cuda)) if cuda else CPU()
-    accepted, _ = _resolve_variant_for_system(
-        variants=[parse_variant(n) for n in names], selected_backend=backend, cpu="x86_64", os="linux",
-        torch_version=Version(torch_version), torch_cxx11_abi=True, tvm_ffi_version=None)
-    assert accepted[0].variant_str == picked
+    assert resolve_for_system(names, cuda=cuda, torch_version=torch_version)[0] == picked
 
 
 def _readme(hub) -> str:
@@ -83,7 +78,7 @@ def test_published_card(hub, geglu_builds):
     assert readme.startswith("---\nlibrary_name: kernels\nlicense: apache-2.0\n")
     assert "{{" not in readme and "{%" not in readme
     assert f'get_kernel("{GEGLU_REPO}", version=1)' in readme
-    assert f'LayerRepository("{GEGLU_REPO}", layer_name="GeGLUMLP", version=1)' in readme
+    assert "geglu.register_transformers()" in readme
     assert "kernelize(model, mode=Mode.INFERENCE)" in readme
     functions, layers = package_api(REPO_ROOT, "geglu")
     for name in functions + layers:

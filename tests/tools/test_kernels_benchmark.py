@@ -27,8 +27,9 @@ RTOL = 1e-6
 # /api/kernels only). This runs kernels' CLI with that one call made for the kernel type.
 KERNELS_BENCHMARK_CLI = """
 import functools, sys
-import kernels.cli.benchmark as runner
-from kernels.cli import main
+from kerneltools.kernels_api import cli_benchmark_module, cli_main
+runner = cli_benchmark_module()
+main = cli_main()
 
 _api = runner._get_hf_api
 def _kernel_api(*args, **kwargs):
@@ -38,26 +39,21 @@ def _kernel_api(*args, **kwargs):
 runner._get_hf_api = _kernel_api
 sys.exit(main())
 """
-KERNELS_CLI = "import sys; from kernels.cli import main; sys.exit(main())"
+KERNELS_CLI = "import sys; from kerneltools.kernels_api import cli_main; sys.exit(cli_main()())"
 
 
 def _runner():
     """kernels' benchmark runner module. ``kernels.cli``'s package init imports its signature verifier (sigstore,
     cryptography) before the runner; where those are not installed (the GPU machine's Python has no wheels for
     them) the runner's own file is loaded by path: it needs neither."""
-    try:
-        import kernels.cli.benchmark as runner
-    except ImportError as e:
-        import importlib.util
+    import importlib.util
 
-        import kernels
+    from kerneltools.kernels_api import cli_benchmark_source
 
-        path = Path(kernels.__file__).parent / "cli" / "benchmark.py"
-        spec = importlib.util.spec_from_file_location("_kernels_cli_benchmark", path)
-        if spec is None:
-            raise ImportError(f"kernels.cli does not import ({e}) and {path} is missing") from e
-        runner = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(runner)
+    path = cli_benchmark_source()
+    spec = importlib.util.spec_from_file_location("_kernels_cli_benchmark", path)
+    runner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(runner)
     return runner
 
 

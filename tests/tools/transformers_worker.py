@@ -71,6 +71,7 @@ NON_GELU = {
 }
 
 V = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+RANDN = "<a random input shaped like x>"  # a forward keyword argument that check_module draws
 # Single host modules, one per supported class of GEGLU_CLASSES (and a few variants, "Class[variant]"): (config
 # class, config kwargs, constructor kwargs, forward kwargs[, options]). The host is built as cls(config, **ctor);
 # options: dtype (default float32) and fp32 (submodules kept in float32).
@@ -88,6 +89,9 @@ MODULES = {
     "ZambaMLP": ("ZambaConfig", dict(L, layers_block_type=["linear_attention", "hybrid"]), {}, {}),
     "PixtralMLP": ("PixtralVisionConfig", V, {}, {}),
     "DINOv3ViTGatedMLP": ("DINOv3ViTConfig", dict(V, use_gated_mlp=True, mlp_bias=True), {}, {}),
+    "EomtDinov3GatedMLP": ("EomtDinov3Config", dict(V, use_gated_mlp=True), {}, {}),
+    # forward(inputs_embeds, self_conditioning_signal): x is inputs_embeds, the signal a second random input
+    "DiffusionGemmaSelfConditioning": ("DiffusionGemmaTextConfig", L, {}, dict(self_conditioning_signal=RANDN)),
     "T5GemmaMLP": ("T5GemmaModuleConfig", dict(L, dropout_rate=0.1), {}, {}),
     "T5Gemma2MLP": ("T5Gemma2TextConfig", dict(L, dropout_rate=0.1), {}, {}),
     "GteMLP": ("GteConfig", dict(V, hidden_dropout_prob=0.1), {}, {}),
@@ -406,7 +410,7 @@ def compiles_to_op(module) -> bool:
     op of ours (the fused MLP); every other layer runs the host's math there (Inductor fuses it)."""
     import torch
 
-    return forward_name(module) == "GeGLUMLP.forward" and all(
+    return forward_name(module) in ("GeGLUMLP.forward", "GeGLUSelfConditioning.forward") and all(
         type(getattr(module, p)) is torch.nn.Linear and getattr(module, p).bias is None
         for p in ("gate_proj", "up_proj", "down_proj"))
 
@@ -441,6 +445,8 @@ def check_module(key, calls, kernelize, Mode, compile_train=False):
     res["forward_name"] = forward_name(mod)
     mod.train(), ref.train()
     x = torch.randn(2, 5, in_features(ref), generator=torch.Generator().manual_seed(3)).to(in_dtype(ref))
+    fwd_kwargs = {k: torch.randn(x.shape, generator=torch.Generator().manual_seed(5)).to(x.dtype) if v is RANDN else v
+                  for k, v in fwd_kwargs.items()}
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
     torch.manual_seed(7)
     y = mod(xa, **fwd_kwargs)
@@ -833,7 +839,7 @@ def check_kernel_config(work: Path):
     except ValueError as e:
         out["from_pretrained"] = f"ValueError: {e}"
     if torch.cuda.is_available():  # the route transformers supports: a CUDA model
-        ref = transformers.GemmaForCausalLM.from_pretrained(path).cuda().eval()
+        ref = transformers.GemmaForCausalLM.from_pretrained(path, use_kernels=False).cuda().eval()
         model = transformers.GemmaForCausalLM.from_pretrained(
             path, use_kernels=True, kernel_config=geglu_kernel_config(transformers.GemmaForCausalLM),
             device_map="cuda").eval()
@@ -847,22 +853,17 @@ def check_kernel_config(work: Path):
 
 def check_reregister(repo_id):
     """A second register_geglu_kernels (here: by revision) replaces the entries of the first, on CUDA (an
-    interval tree by capability) and on CPU (kernels' private structures, only read here)."""
-    from kernels.layer.globals import _KERNEL_MAPPING
-
+    interval tree by capability) and on CPU (read through kerneltools.kernels_api: kernels has no public view)."""
+    from kerneltools.kernels_api import mapped_repos
     from kerneltools.transformers_kernels import KEY_PREFIX, register_geglu_kernels
 
     register_geglu_kernels(repo_id, revision="v1")
     key = KEY_PREFIX + "GeGLUMLP"
-    tree = _KERNEL_MAPPING.get()[key]["cuda"].repos_by_capability
-    matches = []
-    tree._find_with_intervals(tree.root, 90, matches)
-    cpu = _KERNEL_MAPPING.get()[key]["cpu"].repos
-    def spec(r):
+    def spec(r):  # the repository's own fields (its str() resolves a version on the Hub in kernels 0.17)
         return f"revision={r._revision}" if r._version is None else f"version={r._version}"
 
-    return {"cuda_entries": len(matches), "cuda": sorted({spec(r) for *_, modes in matches for r in modes.values()}),
-            "cpu": sorted({spec(r) for r in cpu.values()})}
+    return {"cuda": sorted({spec(r) for r in mapped_repos(key, "cuda", 90).values()}),
+            "cpu": sorted({spec(r) for r in mapped_repos(key, "cpu").values()})}
 
 
 def describe_mapping(mapping):

@@ -11,6 +11,7 @@ from ._config import Config, configure, get_config
 from ._ops import HAS_CUDA_LIB, ops
 from .functional import geglu, geglu_backward, geglu_packed, gelu_and_mul, gelu_tanh_and_mul
 from ._rmsnorm import rms_norm
+from ._transformers import register_transformers, transformers_kernel_config
 
 prebuilt_kernels = _aot.info
 
@@ -39,4 +40,6 @@ __all__ = [
     "HAS_CUDA_LIB",
     "ops",
     "layers",
+    "register_transformers",
+    "transformers_kernel_config",
 ]

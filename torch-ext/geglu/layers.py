@@ -139,6 +139,29 @@ class GeGLUMLPWithDropout(nn.Module):
         return self.down_proj(self.dropout(gated_proj(self.act_fn, self.gate_proj(x), self.up_proj, x)))
 
 
+class GeGLUSelfConditioning(nn.Module):
+    """Replaces DiffusionGemma's self-conditioning block, ``forward(inputs_embeds, self_conditioning_signal)``:
+    ``post_norm(inputs_embeds + down_proj(act_fn(gate_proj(n)) * up_proj(n)))`` with ``n = pre_norm(signal)``.
+
+    The norms are the host's own modules (kernelized norms run their layer); the MLP in between is
+    :class:`GeGLUMLP`'s computation on the host's projections.
+    """
+
+    can_torch_compile = True
+    has_backward = True
+
+    pre_norm: nn.Module
+    post_norm: nn.Module
+    gate_proj: nn.Module
+    up_proj: nn.Module
+    down_proj: nn.Module
+    act_fn: nn.Module
+
+    def forward(self, inputs_embeds: torch.Tensor, self_conditioning_signal: torch.Tensor) -> torch.Tensor:
+        normed = self.pre_norm(self_conditioning_signal)
+        return self.post_norm(inputs_embeds + GeGLUMLP.forward(self, normed))
+
+
 class Gemma3nGeGLUMLP(nn.Module):
     """Replaces Gemma 3n's text MLP: like :class:`GeGLUMLP`, but layers with ``activation_sparsity > 0`` first
     pass the gate through the host's ``_gaussian_topk`` (a ReLU of the gate minus a per-row cutoff).
@@ -331,6 +354,13 @@ class GeGLUExperts(nn.Module):
 # --- Gemma's RMSNorm -------------------------------------------------------------------------------------------
 
 
+def _norm_eps(module) -> float:
+    """The host norm's epsilon: ``eps`` (transformers 5.22 everywhere; GemmaRMSNorm's family in 5.25) or
+    ``variance_epsilon`` (Gemma3nRMSNorm's family from transformers 5.25)."""
+    eps = getattr(module, "eps", None)
+    return module.variance_epsilon if eps is None else eps
+
+
 class GemmaRMSNorm(nn.Module):
     """Replaces transformers' ``GemmaRMSNorm`` and the classes with its forward (Gemma 2, Gemma 3, T5Gemma, ...):
     ``(x.float() * rsqrt(mean(x.float()^2, -1) + eps) * (1.0 + weight.float())).type_as(x)``, one fused kernel
@@ -350,9 +380,10 @@ class GemmaRMSNorm(nn.Module):
     eps: float
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        eps = _norm_eps(self)
         if _is_compiling():
-            return _gemma_norm_host(x, self.weight, self.eps)
-        return _gemma_norm(x, self.weight, self.eps)
+            return _gemma_norm_host(x, self.weight, eps)
+        return _gemma_norm(x, self.weight, eps)
 
 
 class Gemma3nRMSNorm(nn.Module):
@@ -365,14 +396,15 @@ class Gemma3nRMSNorm(nn.Module):
     can_torch_compile = True
     has_backward = True
 
-    eps: float
+    eps: float  # or variance_epsilon (transformers >= 5.25)
     with_scale: bool
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight if self.with_scale else None
+        eps = _norm_eps(self)
         if _is_compiling():
-            return _scaled_norm_host(x, weight, self.eps)
-        return _scaled_norm(x, weight, self.eps)
+            return _scaled_norm_host(x, weight, eps)
+        return _scaled_norm(x, weight, eps)
 
 
 def _rotary(module, x: torch.Tensor, position_ids: torch.Tensor, prefix: str):
@@ -416,6 +448,7 @@ __all__ = [
     "GeluTanhAndMul",
     "GeGLUMLP",
     "GeGLUMLPWithDropout",
+    "GeGLUSelfConditioning",
     "Gemma3nGeGLUMLP",
     "T5GeGLUDense",
     "LongT5GeGLUDense",
