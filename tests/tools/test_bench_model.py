@@ -27,7 +27,8 @@ def _bench(build_dir, tmp_path, *args):
 def test_no_extra_graphs_for_any_model(build_dir, tmp_path):
     res, md = _bench(build_dir, tmp_path, "--model", "all", "--parts", "prefill", "--graph-lengths", "16,40,97,300")
     assert [m["model"] for m in res["models"]] == ["gemma3-4b", "gemma3-12b", "gemma2-2b", "t5-v1.1-base",
-                                                  "t5-v1.1-large", "modernbert-base", "gemma4-moe"]
+                                                  "t5-v1.1-large", "flan-t5-xl", "modernbert-base",
+                                                  "modernbert-large", "gemma4-moe"]
     for m in res["models"]:
         g = m["graphs"]
         assert 1 <= g["kernelized+compile"] <= g["compile"], (m["model"], g)
@@ -105,7 +106,7 @@ def test_with_layers_changes_only_the_depth():
             after = with_layers(before, 5)
             a, b = before.to_dict(), after.to_dict()
             changed = {k for k in set(a) | set(b) if a.get(k) != b.get(k)}
-            depth = {"num_layers", "num_decoder_layers"} if name.startswith("t5") else {"num_hidden_layers"}
+            depth = {"num_layers", "num_decoder_layers"} if spec.kind == "seq2seq" else {"num_hidden_layers"}
             assert depth <= changed <= depth | {"layer_types", "per_layer_config"}, (name, changed)
             assert all(b[k] == 5 for k in depth), name
             if b.get("layer_types") is not None:
@@ -374,6 +375,45 @@ def test_never_slower_verdict_and_summary_columns():
     assert row.endswith("| def5678 |")
 
 
+def test_summary_has_the_peak_memory_ratio_where_peaks_were_measured():
+    """GPU runs record each mode's peak memory: the summary gives the kernelized model's over its host's beside
+    the time; CPU runs (no peaks) have no such column."""
+    from kerneltools.bench.model.report import peak_ratio, summary_markdown
+
+    row = _summary_row([0.99, 0.97, 1.02], [1.0, 0.98, 1.01], 96.0)
+    row["modes"]["compile"]["peak_mib"], row["modes"]["kernelized+compile"]["peak_mib"] = 800.0, 760.0
+    assert peak_ratio(row, "kernelized+compile", "compile") == 0.95
+    assert peak_ratio(row, "kernelized", "eager") is None
+    result = dict(meta=dict(commit="abc1234"), models=[dict(model="m", rows=[row])])
+    head, _, line = summary_markdown(result).splitlines()
+    cols, cells = head.split(" | "), line.split(" | ")
+    assert cells[cols.index("peak memory", 6)] == "0.950"
+    del row["modes"]["compile"]["peak_mib"], row["modes"]["kernelized+compile"]["peak_mib"]
+    assert "peak memory" not in summary_markdown(result)
+
+
+def test_serve_part_times_batch_1_prompt_lengths_through_one_dynamic_graph(build_dir, tmp_path):
+    """--parts serve: a row per prompt length (batch 1) and a short batch-1 decode through the model's forward; the
+    compile modes' forwards are made dynamic before the first row, so that its first call compiles nothing."""
+    res, md = _bench(build_dir, tmp_path, "--model", "gemma3-4b", "--parts", "serve", "--serve-lengths", "6,11",
+                     "--modes", "eager,kernelized,compile,kernelized+compile", "--new-tokens", "2",
+                     "--graph-lengths", "")
+    rows = res["models"][0]["rows"]
+    assert [r["part"] for r in rows] == ["serve 6", "serve 11", "serve decode"]
+    assert [r["tokens"] for r in rows] == [6, 11, 2]
+    for mode in ("compile", "kernelized+compile"):
+        assert rows[0]["modes"][mode]["new_graphs"] == 0, (mode, rows[0]["modes"][mode])
+    for r in rows:
+        assert r["modes"]["eager"]["vs_eager"] == [1.0, 1.0, 1.0] and r["modes"]["compile"]["vs_compile"]
+    assert "| serve 11 | kernelized+compile |" in md and "| gemma3-4b | serve decode |" in md
+
+
+def test_bad_serve_lengths_are_named(build_dir, tmp_path):
+    proc = _run_bench(build_dir, tmp_path / "out", "--model", "gemma3-4b", "--parts", "serve",
+                      "--serve-lengths", "64,x")
+    assert proc.returncode != 0 and "--serve-lengths '64,x': expected comma-separated integers" in proc.stderr
+
+
 def test_each_compiled_model_has_its_own_frame_cache():
     """Two models of one class compiled through ``own_code`` keep their compiled frames apart (one cache entry per
     code object, none on the class's shared forward), so neither call evaluates the other model's guards; the
@@ -421,6 +461,7 @@ def test_prefill_fills_a_cache_made_before_the_call_as_generate_does():
     from transformers import DynamicCache, EncoderDecoderCache
 
     from kerneltools.bench import model as bm
+    from kerneltools.bench.common import cache_arg
 
     for name, cache_type in (("t5-v1.1-base", EncoderDecoderCache), ("gemma3-4b", DynamicCache)):
         spec = bm.MODELS[name]
@@ -430,14 +471,14 @@ def test_prefill_fills_a_cache_made_before_the_call_as_generate_does():
         ids = torch.randint(3, m.config.vocab_size, (2, 9))
         dec = torch.zeros(2, 1, dtype=torch.long)
         first, second = bm.prefill_kwargs(s, m, ids, dec), bm.prefill_kwargs(s, m, ids, dec)
-        assert type(first["past_key_values"]) is cache_type and first["past_key_values"] is not second[
-            "past_key_values"], name
-        assert first["past_key_values"].get_seq_length() == 0
-        own = dict(first, past_key_values=None)
+        key = cache_arg(m)  # "cache" from transformers 5.25, "past_key_values" before
+        assert type(first[key]) is cache_type and first[key] is not second[key], name
+        assert first[key].get_seq_length() == 0
+        own = dict(first, **{key: None})
         with torch.no_grad():
             got = m(**first).logits
             want = m(**own).logits
-        assert first["past_key_values"].get_seq_length() == (1 if name.startswith("t5") else 9), name
+        assert first[key].get_seq_length() == (1 if name.startswith("t5") else 9), name
         assert torch.equal(got, want), name
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .models import DECODE_BATCHES, DEFAULT_MODES, MODELS, MODES, PARTS
+from .models import DECODE_BATCHES, DEFAULT_MODES, MODELS, MODES, SERVE_LENGTHS
 from .processes import merge, pool, run_processes
 from .report import write
 from .runner import run_here
@@ -25,7 +25,12 @@ def run(args, log=print) -> dict:
 def add_arguments(p) -> None:
     p.add_argument("--model", action="append", default=None,
                    help=f"model(s) for the whole-model benchmark: {', '.join(MODELS)} or all (repeatable)")
-    p.add_argument("--parts", default=",".join(PARTS), help="comma-separated: prefill,decode,train")
+    p.add_argument("--parts", default="prefill,decode,train",
+                   help="comma-separated, of prefill,decode,train,serve (default prefill,decode,train; serve: "
+                        "batch-1 prefill at --serve-lengths and a short batch-1 decode, the compile modes with "
+                        "dynamic shapes)")
+    p.add_argument("--serve-lengths", default=None,
+                   help=f"comma-separated prompt lengths of the serve part (default {','.join(map(str, SERVE_LENGTHS))})")
     p.add_argument("--modes", default=",".join(DEFAULT_MODES),
                    help=f"comma-separated, of {','.join(MODES)} (default {','.join(DEFAULT_MODES)}; copy and "
                         "copy+compile run a plain deep copy of the eager model: an A/A control of the benchmark)")

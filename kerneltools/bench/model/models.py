@@ -14,7 +14,12 @@ MODES = ("eager", "kernelized", "compile", "kernelized+compile", "copy", "copy+c
 # "copy" / "copy+compile": a deep copy of the eager model, not kernelized (an A/A control, asked for by name: its
 # ratio to eager / compile is what the benchmark reports between two identical models, its bias and noise floor)
 DEFAULT_MODES = MODES[:4]
-PARTS = ("prefill", "decode", "train")
+PARTS = ("prefill", "decode", "train", "serve")
+# "serve": batch-1 prefill at each of SERVE_LENGTHS prompt lengths and a short batch-1 decode, with the compile modes'
+# forward made dynamic first (two prompt lengths before any row, as a server meets them: torch.compile's automatic
+# dynamic shapes then serve every length from one graph)
+SERVE_LENGTHS = (64, 256, 1024, 2048, 4096)
+TINY_SERVE_LENGTHS = (8, 24)
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,16 @@ def _t5_large(tiny: bool):
                     decoder_start_token_id=0)
 
 
+def _flan_t5_xl(tiny: bool):
+    from transformers import T5Config
+
+    if tiny:
+        return _t5(True)
+    return T5Config(d_model=2048, d_ff=5120, num_layers=24, num_decoder_layers=24, num_heads=32, d_kv=64,
+                    vocab_size=32128, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+                    decoder_start_token_id=0)
+
+
 def _modernbert(tiny: bool):
     from transformers import ModernBertConfig
 
@@ -91,6 +106,15 @@ def _modernbert(tiny: bool):
                                 vocab_size=256, local_attention=16, global_attn_every_n_layers=3, pad_token_id=0,
                                 bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
     return ModernBertConfig(hidden_size=768, intermediate_size=1152, num_hidden_layers=22, num_attention_heads=12,
+                            vocab_size=50368, local_attention=128, global_attn_every_n_layers=3)
+
+
+def _modernbert_large(tiny: bool):
+    from transformers import ModernBertConfig
+
+    if tiny:
+        return _modernbert(True)
+    return ModernBertConfig(hidden_size=1024, intermediate_size=2624, num_hidden_layers=28, num_attention_heads=16,
                             vocab_size=50368, local_attention=128, global_attn_every_n_layers=3)
 
 
@@ -119,8 +143,12 @@ MODELS = {
                               "google/t5-v1_1-base config (decoder: 1 token in prefill, 128 in training)"),
     "t5-v1.1-large": ModelSpec("t5-v1.1-large", "seq2seq", "AutoModelForSeq2SeqLM", _t5_large, (8, 512), (8, 512),
                                "google/t5-v1_1-large config (decoder: 1 token in prefill, 128 in training)"),
+    "flan-t5-xl": ModelSpec("flan-t5-xl", "seq2seq", "AutoModelForSeq2SeqLM", _flan_t5_xl, (8, 512), (8, 512),
+                            "google/flan-t5-xl config (decoder: 1 token in prefill, 128 in training)"),
     "modernbert-base": ModelSpec("modernbert-base", "encoder", "AutoModelForMaskedLM", _modernbert, (8, 1024),
                                  (8, 1024), "answerdotai/ModernBERT-base config"),
+    "modernbert-large": ModelSpec("modernbert-large", "encoder", "AutoModelForMaskedLM", _modernbert_large,
+                                  (8, 1024), (8, 1024), "answerdotai/ModernBERT-large config"),
     "gemma4-moe": ModelSpec("gemma4-moe", "causal", "AutoModelForCausalLM", _gemma4_moe, (8, 2048), (2, 2048),
                             "google/gemma-4-26B-A4B's hidden size and experts (128, top-8, moe_intermediate_size 704), "
                             "Gemma4TextConfig's defaults otherwise"),

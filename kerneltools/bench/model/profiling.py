@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 import time
 
-from ..common import median, round_order
+from ..common import cache_arg, median, round_order
 from .models import Setup, own_code
 from .rounds import (_as_mode, _ids, _kernelize_for, _mode_model, _model_key, _round_ratios, _spread, _sync,
                      _train_kwargs, make_part, prefill_kwargs)
@@ -84,13 +84,13 @@ def _autograd_nodes(t) -> dict:
     return counts
 
 
-def profile_part(s: Setup, part: str, modes: list, batch: int | None = None) -> dict:
+def profile_part(s: Setup, part: str, modes: list, batch: int | None = None, length: int | None = None) -> dict:
     """One call of the part per mode under torch.profiler: CUDA time by kernel category, the largest kernels, and
     (training) the autograd nodes that recorded the MLPs."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    fn, _, training = make_part(s, part, batch)
+    fn, _, training = make_part(s, part, batch, length)
     out = {}
     for m in s.models.values():
         m.train(training)
@@ -147,11 +147,11 @@ def call_cost(s: Setup, modes: list, rounds: int, calls: int = 200) -> dict:
         cache = StaticCache(config=m.config, max_cache_len=32)
         f = torch.compile(own_code(m.forward, f"{_model_key(s, m)}_call_cost"), backend=replay, fullgraph=True)
         with torch.no_grad():
-            m(input_ids=ids, past_key_values=cache, use_cache=True)
+            m(**{"input_ids": ids, cache_arg(m): cache, "use_cache": True})
             for pos in (16, 17, 18):  # the second position makes the filled length symbolic, as in generate
-                kw = dict(input_ids=ids[:, :1], past_key_values=cache, use_cache=True,
-                          cache_position=torch.tensor([pos], device=s.device),
-                          position_ids=torch.tensor([[pos]], device=s.device))
+                kw = {"input_ids": ids[:, :1], cache_arg(m): cache, "use_cache": True,
+                      "cache_position": torch.tensor([pos], device=s.device),
+                      "position_ids": torch.tensor([[pos]], device=s.device)}
                 f(**kw)
         steps[mode] = (f, kw)
     times = {mode: [] for mode in steps}

@@ -69,7 +69,10 @@ def to_markdown(result: dict) -> str:
              "compiled code a model shares with one compiled before it, such as the frame after a graph break, is "
              "counted for the first; the count over prefill lengths below compiles each model afresh). Peak: memory "
              "allocated above the model during one call. Decode in the compile modes: `generate` with a static "
-             "cache, compiling its decoding step (transformers' `CompileConfig`).", ""]
+             "cache, compiling its decoding step (transformers' `CompileConfig`). Serve rows: batch-1 prefill of N "
+             "tokens (`serve N`) and a batch-1 `generate` through the model's forward (`serve decode`); the compile "
+             "modes' forward is made dynamic by two other prompt lengths before the first row, as a server's is "
+             "by its first requests (torch.compile's automatic dynamic shapes).", ""]
     if result.get("partial"):
         lines += ["**Partial:** the run stopped before it finished; the rows below are what it had measured.", ""]
     for res in result["models"]:
@@ -157,6 +160,13 @@ def _gpu_ratio(row: dict, mode: str, base: str) -> float | None:
     return None
 
 
+def peak_ratio(row: dict, mode: str, base: str) -> float | None:
+    """``mode``'s peak memory above the model during one call over ``base``'s (None where either was not
+    measured: CPU runs, or a mode the row did not time)."""
+    peaks = [row["modes"].get(mo, {}).get("peak_mib") for mo in (mode, base)]
+    return peaks[0] / peaks[1] if all(peaks) else None
+
+
 def never_slower(row: dict, mode: str) -> str:
     """Whether ``mode`` (kernelized or kernelized+compile) is no slower than its host in the row: "yes" where the
     median of its per-round ratios is at most 1.00; "A/A" where it is above 1.00 but within the unkernelized copy's
@@ -176,14 +186,17 @@ def never_slower(row: dict, mode: str) -> str:
 def summary_markdown(result: dict) -> str:
     """One line per model and part: kernelized / eager and kernelized+compile / compile (the README's table), and
     where the run timed them the unkernelized copy's ratios (the A/A control: what two identical models measure),
-    the profiled call's GPU-time ratio (``--profile``; host time left out) and :func:`never_slower`'s verdict."""
+    the profiled call's GPU-time ratio (``--profile``; host time left out), the peak-memory ratio (GPU runs:
+    :func:`peak_ratio`) and :func:`never_slower`'s verdict."""
     rows = [(res, row) for res in result["models"] for row in res["rows"]]
     control = any(mo.startswith("copy") for _, row in rows for mo in row["modes"])
     gpu = any(row.get("profile") for _, row in rows)
+    memory = any(v.get("peak_mib") for _, row in rows for v in row["modes"].values())
     cols = ["model", "part"]
     for mode, base in _PAIRS:
         cols += [f"{mode} / {base}"] + ([f"{_CONTROL[mode]} / {base}"] if control else [])
         cols += ["GPU time"] if gpu else []
+        cols += ["peak memory"] if memory else []
         cols += ["<= host"]
     cols += ["graphs (compile, kernelized)", "commit"]
     lines = ["| " + " | ".join(cols) + " |", "|---" * len(cols) + "|"]
@@ -199,6 +212,9 @@ def summary_markdown(result: dict) -> str:
                     cells.append(_cell(row["modes"].get(_CONTROL[mode], {}).get(f"vs_{base}")))
                 if gpu:
                     r = _gpu_ratio(row, mode, base)
+                    cells.append("–" if r is None else f"{r:.3f}")
+                if memory:
+                    r = peak_ratio(row, mode, base)
                     cells.append("–" if r is None else f"{r:.3f}")
                 cells.append(never_slower(row, mode))
             lines.append(f"| {res['model']} | {row['part']} | " + " | ".join(cells) + f" | {graphs} | {commit} |")

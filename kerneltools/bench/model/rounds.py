@@ -7,7 +7,7 @@ import contextlib
 import functools
 import time
 
-from ..common import median, round_order
+from ..common import cache_arg, median, round_order
 from .models import PARTS, TINY_SHAPES, Setup, own_code
 
 
@@ -23,8 +23,8 @@ def _mode_model(s: Setup, mode: str):
 @contextlib.contextmanager
 def _as_mode(s: Setup, mode: str, part: str):
     """The module to call for ``mode`` in ``part``: compiled modes swap the compiled forward in for the duration (so
-    that the loss computation inside the forward runs compiled too), except in decode, where ``generate`` compiles
-    its own decoding step and the model stays as it is."""
+    that the loss computation inside the forward runs compiled too, and serve's ``generate`` calls it at every
+    step), except in decode, where ``generate`` compiles its own decoding step and the model stays as it is."""
     m = _mode_model(s, mode)
     if part != "decode" and "compile" in mode:
         m.forward = s.compiled[_model_name(mode)]
@@ -68,13 +68,24 @@ def _train_kwargs(s: Setup) -> dict:
     return kwargs
 
 
-def make_part(s: Setup, part: str, batch: int | None = None):
-    """(fn(model) running one unit of the part, tokens per unit, training?) for the part."""
+def make_part(s: Setup, part: str, batch: int | None = None, length: int | None = None):
+    """(fn(model) running one unit of the part, tokens per unit, training?) for the part. "serve": batch-1 prefill
+    of ``length`` tokens, or without a length a batch-1 ``generate`` of ``new_tokens`` through the model's forward
+    (the compile modes' compiled forward, dynamic shapes, no static cache)."""
     import torch
 
     spec = s.spec
-    if part == "prefill":
-        b, n = TINY_SHAPES["prefill"] if s.tiny else spec.prefill
+    if part == "serve" and length is None:
+        prompt = _ids(s, 1, 16 if s.tiny else 64)
+
+        def fn(m, compiled=False):
+            with torch.no_grad():
+                return m.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
+                                  max_new_tokens=s.new_tokens, min_new_tokens=s.new_tokens, do_sample=False,
+                                  pad_token_id=0, eos_token_id=None)
+        return fn, s.new_tokens, False
+    if part in ("prefill", "serve"):
+        b, n = (1, length) if part == "serve" else TINY_SHAPES["prefill"] if s.tiny else spec.prefill
         ids = _ids(s, b, n)
         dec = torch.zeros(b, 1, dtype=torch.long, device=s.device)
 
@@ -114,9 +125,9 @@ def prefill_kwargs(s: Setup, m, ids, dec) -> dict:
     call, the logits of the last position; ``dec``, the decoder's start tokens of an encoder-decoder); encoders:
     the whole forward."""
     if s.spec.kind == "causal":
-        return dict(input_ids=ids, past_key_values=generate_cache(m), use_cache=True, logits_to_keep=1)
+        return {"input_ids": ids, cache_arg(m): generate_cache(m), "use_cache": True, "logits_to_keep": 1}
     if s.spec.kind == "seq2seq":
-        return dict(input_ids=ids, decoder_input_ids=dec, past_key_values=generate_cache(m), use_cache=True)
+        return {"input_ids": ids, "decoder_input_ids": dec, cache_arg(m): generate_cache(m), "use_cache": True}
     return dict(input_ids=ids)
 
 
@@ -205,16 +216,37 @@ def _spread(rs: list) -> list:
     return [round(median(rs), 3), round(min(rs), 3), round(max(rs), 3)]
 
 
+def make_dynamic(s: Setup, modes: list, lengths: tuple) -> None:
+    """Call each compile mode's forward with batch-1 prompts of ``lengths`` (two or more) before serve's rows, as a
+    server meets prompts of several lengths: torch.compile's automatic dynamic shapes recompile the second length
+    with a symbolic one, and every row then runs that graph, as a serving process would after its first requests."""
+    for mode in modes:
+        if "compile" not in mode:
+            continue
+        _kernelize_for(s, mode, False)
+        for n in lengths:
+            fn, _, _ = make_part(s, "serve", length=n)
+            with _as_mode(s, mode, "serve") as m:
+                fn(m, True)
+
+
+def part_label(part: str, batch: int | None = None, length: int | None = None) -> str:
+    """The row's name: "prefill", "decode b8", "serve 256" (batch-1 prefill of 256 tokens), "serve decode"."""
+    if part == "serve":
+        return f"serve {length}" if length is not None else "serve decode"
+    return part if batch is None else f"{part} b{batch}"
+
+
 def run_part(s: Setup, part: str, modes: list, rounds: int, reps: int, batch: int | None = None, log=print,
-             offset: int = 0) -> dict:
+             offset: int = 0, length: int | None = None) -> dict:
     """Times one part in interleaved rounds for every mode; returns its row (with each round's ratios, which
     ``pool`` joins over processes). ``offset`` rotates the order of the first calls (which model compiles first)
     and of the rounds."""
     import torch
     from torch._dynamo.utils import counters
 
-    fn, tokens, training = make_part(s, part, batch)
-    label = part if batch is None else f"{part} b{batch}"
+    fn, tokens, training = make_part(s, part, batch, length)
+    label = part_label(part, batch, length)
     calls = {mode: functools.partial(fn, compiled="compile" in mode) for mode in modes}
     first, peaks, graphs, times = {}, {}, {}, {mode: [] for mode in modes}
     for m in s.models.values():

@@ -8,21 +8,22 @@ from pathlib import Path
 from typing import Callable
 
 from ..common import meta
-from .models import DECODE_BATCHES, MODELS, MODES, PARTS, build_models
+from .models import DECODE_BATCHES, MODELS, MODES, PARTS, SERVE_LENGTHS, TINY_SERVE_LENGTHS, build_models
 from .profiling import call_cost, count_graphs, profile_part
 from .report import write
-from .rounds import run_part
+from .rounds import make_dynamic, run_part
 
 
 def run_model(name: str, build_dir: Path, *, parts: list, modes: list, rounds: int, reps: int, device: str,
               tiny: bool, backend: str, new_tokens: int, graph_lengths: list, graph_backend: str,
               repo_id: str, profile: bool = False, compile_decode: bool = False, decode_batches=DECODE_BATCHES,
               log=print, on_row: Callable[[dict], None] | None = None, offset: int = 0,
-              call_cost_rounds: int = 0, layers: int | None = None) -> dict:
+              call_cost_rounds: int = 0, layers: int | None = None, serve_lengths: tuple | None = None) -> dict:
     """Every part of one model; ``on_row`` gets the model's result as far as it got after each row (so that a run
     stopped half-way keeps what it measured); ``offset``: see ``run_part``; ``call_cost_rounds``: also time the
     compiled decoding step with its work taken out (:func:`call_cost`, causal models) in that many rounds; ``layers``:
-    see ``build_models``."""
+    see ``build_models``; ``serve_lengths``: the prompt lengths of the serve part (default ``SERVE_LENGTHS``, tiny:
+    ``TINY_SERVE_LENGTHS``)."""
     import torch
 
     spec = MODELS[name]
@@ -33,7 +34,19 @@ def run_model(name: str, build_dir: Path, *, parts: list, modes: list, rounds: i
     res = dict(model=name, source=spec.source, kind=spec.kind, dtype=str(dtype).replace("torch.", ""),
                layers=s.models["eager"].config.num_hidden_layers, rows=[])
     for part in parts:
-        if part == "decode":
+        if part == "serve":
+            lengths = serve_lengths or (TINY_SERVE_LENGTHS if tiny else SERVE_LENGTHS)
+            # two lengths that no row times make the compiled forwards dynamic before the first row
+            make_dynamic(s, modes, (lengths[0] // 2 + 1, lengths[0] // 2 + 2))
+            for n in [*lengths, None]:  # None: the short decode
+                if n is None and spec.kind == "encoder":
+                    continue
+                res["rows"].append(run_part(s, "serve", modes, rounds, reps, log=log, offset=offset, length=n))
+                if profile:
+                    res["rows"][-1]["profile"] = profile_part(s, "serve", modes, length=n)
+                if on_row is not None:
+                    on_row(res)
+        elif part == "decode":
             if spec.kind == "encoder":
                 continue
             # the compile modes' decode (a static cache: generate compiles its decoding step, with CUDA graphs on
@@ -113,6 +126,14 @@ def run_here(args, log=print) -> dict:
                          "e.g. 1,8.") from None
     if not batches or min(batches) < 1:
         raise SystemExit(f"error: --decode-batches {args.decode_batches!r}: expected batch sizes of at least 1.")
+    try:
+        given = getattr(args, "serve_lengths", None)
+        serve_lengths = tuple(int(v) for v in given.split(",")) if given else None
+    except ValueError:
+        raise SystemExit(f"error: --serve-lengths {args.serve_lengths!r}: expected comma-separated integers, "
+                         "e.g. 64,256,1024.") from None
+    if serve_lengths is not None and min(serve_lengths) < 2:
+        raise SystemExit(f"error: --serve-lengths {args.serve_lengths!r}: expected prompt lengths of at least 2.")
     result = dict(meta=meta(torch), device=device, rounds=args.rounds, reps=args.reps, backend=args.backend,
                   offset=args.offset, models=[])
 
@@ -127,7 +148,7 @@ def run_here(args, log=print) -> dict:
             decode_batches=batches,
             graph_backend=args.graph_backend, repo_id=args.repo_id, profile=args.profile,
             compile_decode=args.compile_decode, log=log, on_row=save_partial, offset=args.offset,
-            call_cost_rounds=args.call_cost, layers=args.layers))
+            call_cost_rounds=args.call_cost, layers=args.layers, serve_lengths=serve_lengths))
     if args.out is not None:
         write(result, args.out)
     return result
