@@ -32,9 +32,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export GEGLU_BUILD_DIR=$PWD/build
 # The build tree carries its own copy of the package's Python files: refuse a stale one (it would test old code).
-for f in torch-ext/geglu/*.py; do
+for f in $(cd torch-ext/geglu && find . -name '*.py' ! -name _ops.py ! -path '*/__pycache__/*'); do
   for variant in build/torch-stable-abi*/ build/torch-cuda/; do
-    cmp -s "$f" "$variant$(basename "$f")" || { echo "error: $variant is stale ($f differs): run" \
+    cmp -s "torch-ext/geglu/$f" "$variant$f" || { echo "error: $variant is stale (torch-ext/geglu/$f differs): run" \
       "'python -m kerneltools build --capability 9.0 --aot-capability 8.0,9.0' before the device call"; exit 1; }
   done
 done

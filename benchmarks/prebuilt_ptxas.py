@@ -39,17 +39,17 @@ def main(argv=None) -> int:
     import torch
 
     geglu = kernels.get_local_kernel(args.build_dir.resolve())
-    aot = importlib.import_module(geglu.__name__ + "._aot")
-    tri = importlib.import_module(geglu.__name__ + "._triton")
-    kt = importlib.import_module(geglu.__name__ + "._fused_mlp_triton")
-    et = importlib.import_module(geglu.__name__ + "._experts_triton")
+    aot = importlib.import_module(geglu.__name__ + ".runtime.aot")
+    launch = importlib.import_module(geglu.__name__ + ".runtime.launch")
+    kt = importlib.import_module(geglu.__name__ + ".mlp.kernels")
+    et = importlib.import_module(geglu.__name__ + ".experts.kernels")
     builds = {"A": aot.HERE, "B": str(args.other.resolve())}
     infos = {}
 
     def use(name):
         aot.HERE = builds[name]
-        for cache in (aot._indexes, aot._arch_of, aot._loaded, aot._launchers, tri._PREBUILT, tri._DIRECT_LAUNCH):
-            cache.clear()
+        aot.clear_caches()
+        launch.clear_caches()
 
     hits = []
     real_find = aot.find

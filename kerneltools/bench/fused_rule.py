@@ -1,9 +1,9 @@
-"""Where the fused gate/up GEMM wins: the measurement behind the package's shipped rules (``_mlp.FUSED_RULES``,
-``_experts.FUSED_MIN_ROWS``), which decide from the shape alone so that nothing is timed on the user's machine.
+"""Where the fused gate/up GEMM wins: the measurement behind the package's shipped rules (``mlp.inference.FUSED_RULES``,
+``experts.ops.FUSED_RULES``), which decide from the shape alone so that nothing is timed on the user's machine.
 
 For every MLP shape of the supported models (T5 v1.1, ModernBERT, Gemma 1-3 sizes) and a sweep of row counts, the
-fused inference path (``_mlp._fused_forward``: the gate/up GEMM with the GeGLU in its epilogue, then cuBLAS's down
-projection) is timed against the regular one (``_mlp.regular``: two cuBLAS GEMMs, the pointwise kernel, the down
+fused inference path (``mlp.inference.fused_forward``: the gate/up GEMM with the GeGLU in its epilogue, then cuBLAS's down
+projection) is timed against the regular one (``mlp.inference.regular``: two cuBLAS GEMMs, the pointwise kernel, the down
 GEMM) in alternating rounds, one call at a time with the L2 cache flushed before each (in a model the layers
 between two MLPs evict its weights); the Gemma 4 MoE experts block is timed the same way with and without its
 fused grouped GEMM over routed-row counts. Two times per call: GPU time (the call captured in a CUDA graph, its
@@ -88,7 +88,7 @@ def run(build_dir: Path, rounds: int = 11, log=print) -> dict:
     import kernels
 
     geglu = kernels.get_local_kernel(Path(build_dir).resolve())
-    mlp = importlib.import_module(geglu.__name__ + "._mlp")
+    mlp = importlib.import_module(geglu.__name__ + ".mlp.inference")
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
     scratch = torch.empty(2 * max(int(getattr(props, "L2_cache_size", 0)), 64 << 20), dtype=torch.uint8, device=dev)
@@ -102,7 +102,7 @@ def run(build_dir: Path, rounds: int = 11, log=print) -> dict:
             for M in ROWS:
                 x = torch.randn(M, D, device=dev, generator=gen).bfloat16()
                 row = measure(torch, {
-                    "fused": lambda: mlp._fused_forward(x, wg, wu, wd, "tanh"),
+                    "fused": lambda: mlp.fused_forward(x, wg, wu, wd, "tanh"),
                     "regular": lambda: mlp.regular(x, wg, wu, wd, "tanh")}, rounds, scratch.zero_)
                 rows_out.append(dict(kind="mlp", model=model, M=M, D=D, H=H, rule=mlp.fused_rule(M, D, H, dev),
                                      **row))
@@ -112,20 +112,20 @@ def run(build_dir: Path, rounds: int = 11, log=print) -> dict:
         rows_out += _moe_rows(torch, geglu, rounds, scratch.zero_, log)
     return dict(meta=meta(torch), rounds=rounds, rows=rows_out, rules=dict(
         mlp={str(k): v for k, v in mlp.FUSED_RULES.items()},
-        moe={str(k): v for k, v in importlib.import_module(geglu.__name__ + "._experts").FUSED_MIN_ROWS.items()}))
+        moe={str(k): v for k, v in importlib.import_module(geglu.__name__ + ".experts.ops").FUSED_RULES.items()}))
 
 
 def _moe_rows(torch, geglu, rounds, flush, log) -> list:
     from .moe import GEMMA4_26B_A4B, _experts, _routing
 
-    experts = importlib.import_module(geglu.__name__ + "._experts")
+    experts = importlib.import_module(geglu.__name__ + ".experts.ops")
     mod = _experts(torch, GEMMA4_26B_A4B, "cuda", torch.bfloat16, "grouped_mm")
     gen = torch.Generator(device="cuda").manual_seed(1)
     out = []
     for tokens in MOE_TOKENS:
         x, idx, w = _routing(torch, GEMMA4_26B_A4B, tokens, "cuda", torch.bfloat16, gen)
         row = measure(torch, {
-            "fused": lambda: experts._fused_block(mod, x, idx, w, True),
+            "fused": lambda: experts.fused_block(mod, x, idx, w, True),
             "regular": lambda: type(mod).forward(mod, x, idx, w)}, rounds, flush)
         rows = idx.numel()
         rule = experts.fused_rule(rows, x.device)
@@ -142,8 +142,8 @@ def to_markdown(result: dict) -> str:
              f"{m['date']}, commit {m['commit']}, torch {m['torch']}, triton {m['triton']}, CUDA {m['cuda']}; bf16, "
              f"tanh, {result['rounds']} alternating rounds, L2 flushed before each call. GPU: the call's CUDA-graph "
              "replay (its work alone); eager: launched from Python (the host's time where it is the slower).", "",
-             f"Shipped rules: dense MLP {result['rules']['mlp']} (fused from min_m rows where H >= min_h), MoE "
-             f"experts {result['rules']['moe']} (fused from that many routed rows). 'no' in the last column: the "
+             f"Shipped rules: dense MLP {result['rules']['mlp']} (fused from min_m rows where M * D * H reaches min_work), MoE "
+             f"experts {result['rules']['moe']} (fused from min_rows routed rows). 'no' in the last column: the "
              "rule takes the path that is slower by more than 1 % both on the GPU and launched from Python.", "",
              "| model | rows | D | H | GPU fused / regular ms | GPU ratio | eager fused / regular ms | eager ratio | "
              "rule | rule's choice the faster by one measure |",

@@ -81,7 +81,7 @@ def run_mlp(build_dir: Path, shapes=MLP_SHAPES, log=print) -> dict:
     peak_tflops = cublas_tflops(torch)
     log(f"cuBLAS bf16 8192^3: {peak_tflops:.0f} TFLOP/s")
     rows = []
-    fm = importlib.import_module(geglu.__name__ + "._mlp")
+    fm = importlib.import_module(geglu.__name__ + ".mlp.inference")
     for M, D, H in shapes:
         impls = mlp_impls(geglu, D, H)
         x = torch.randn(M, D, device="cuda", dtype=torch.bfloat16)

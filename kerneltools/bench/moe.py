@@ -111,25 +111,26 @@ def _kernelized(kernel_dir: Path, mod, device: str):
 
 
 def _packed_calls(kernel, fn) -> int:
-    """How often one call of ``fn`` runs the kernel's packed GeGLU (``geglu_packed``, as its hub layers call it)."""
-    layers, inner, n = kernel.layers, kernel.layers.geglu_packed, [0]
+    """How often one call of ``fn`` runs the kernel's packed GeGLU (``geglu_packed``, as its hub layers call it
+    through ``functional.gated_packed``)."""
+    functional, inner, n = kernel.functional, kernel.functional.geglu_packed, [0]
 
     def counted(*a, **k):
         n[0] += 1
         return inner(*a, **k)
 
-    layers.geglu_packed = counted
+    functional.geglu_packed = counted
     try:
         fn()
     finally:
-        layers.geglu_packed = inner
+        functional.geglu_packed = inner
     return n[0]
 
 
 def _fused_gate_up(kernel):
-    """The kernel's fused gate/up grouped GEMM module (``_experts_triton``), or None without Triton."""
+    """The kernel's fused gate/up grouped GEMM module (``experts.kernels``), or None without Triton."""
     try:
-        return importlib.import_module(kernel.__name__ + "._experts_triton")
+        return importlib.import_module(kernel.__name__ + ".experts.kernels")
     except ImportError:
         return None
 
@@ -181,7 +182,7 @@ def run(build_dir: Path, *, quick: bool = False, rounds: int = 3, device: str | 
         compiled_gate = torch.compile(eager_gate, backend=compile_backend, fullgraph=True, dynamic=False)
         compiled_block = torch.compile(host, backend=compile_backend, fullgraph=True, dynamic=False)
     fused_kernel = _fused_gate_up(kernel)
-    experts_mod = importlib.import_module(kernel.__name__ + "._experts")  # transformers' routing, as the block has it
+    experts_mod = importlib.import_module(kernel.__name__ + ".experts.ops")  # transformers' routing, as the block has it
     gen = torch.Generator(device=device).manual_seed(0)
     rows = []
     for label, tokens in token_counts:

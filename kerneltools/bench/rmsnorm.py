@@ -8,7 +8,7 @@ the achieved TB/s and the % of the device-to-device copy floor measured in the s
     python -m kerneltools.bench.rmsnorm [--quick] [--build-dir build] [--out DIR] [--sweep]
 
 ``--sweep`` also times a few tile shapes of the forward and backward at the first shape (the defaults are
-``_rmsnorm_triton.fwd_plan`` / ``bwd_plan``). Without a GPU, ``--quick`` runs the same code on CPU tensors (the
+``rmsnorm.kernels.fwd_plan`` / ``bwd_plan``). Without a GPU, ``--quick`` runs the same code on CPU tensors (the
 Triton kernels under the interpreter with TRITON_INTERPRET=1, else the CPU implementation) with a wall-clock
 timer: a check of the plumbing, not a measurement.
 """
@@ -53,7 +53,7 @@ def run(build_dir: Path, quick: bool, dtypes: list[str], sweep: bool, log=print)
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     geglu = kernels.get_local_kernel(build_dir)
-    tri = importlib.import_module(geglu.__name__ + "._rmsnorm_triton")
+    tri = importlib.import_module(geglu.__name__ + ".rmsnorm.kernels")
     if not cuda:
         geglu.set_backend("triton" if tri.INTERPRET else "auto")
     time_us = timer(cuda)
@@ -143,7 +143,7 @@ def to_markdown(res: dict) -> str:
         lines.append(f"| {r['dtype']} | {r['M']}x{r['D']} | {r['pass_']} | {r['impl']} | {r['us']} | "
                      f"{r.get('tbs', '–')} | {r.get('pct_floor', '–')} | {r.get('vs_eager', '–')} |")
     if res.get("sweep"):
-        lines += ["", "Tiles at the first shape (`tiles=` of `_rmsnorm_triton.forward` / `backward`):", "",
+        lines += ["", "Tiles at the first shape (`tiles=` of `rmsnorm.kernels.forward` / `backward`):", "",
                   "| pass | tiles | µs | % of copy floor |", "|---|---|---|---|"]
         lines += [f"| {s['pass_']} | {s['tiles']} | {s['us']} | {s['pct_floor']} |" for s in res["sweep"]]
     return "\n".join(lines) + "\n"

@@ -2,13 +2,13 @@
 package's plans can make, compiled at build time for each architecture asked for (``triton.compile`` for
 ``GPUTarget("cuda", XY, 32)``, no GPU needed; every cubin assembled by one ``ptxas``, CUDA 12.9's by default, so
 that CUDA 12 and 13 drivers both load them), and written into the variant folder as ``_prebuilt_smXY.json`` (the
-index) and ``_prebuilt_smXY.cubin`` (the zlib-compressed cubins, concatenated). The package's ``_aot`` module
+index) and ``_prebuilt_smXY.cubin`` (the zlib-compressed cubins, concatenated). The package's ``runtime.aot`` module
 launches them through the CUDA driver (see its docstring).
 
-What is compiled (:func:`launches`): for each kernel family the constexpr combinations its plan functions choose
-(``_triton._tiles`` / ``FLAT_TILES``, ``_rmsnorm_triton.fwd_plan`` / ``bwd_plan``, the fused GEMM's and the MoE
-kernel's configs), each dtype, and the argument hints Triton's JIT would give an aligned launch (16-byte aligned
-pointers, integers divisible by 16). Integers that only bound rows or loops (``M``, the TMA kernels' sizes) are never
+What is compiled (:func:`launches`): what each kernel module's ``prebuild_launches()`` lists, next to the plan
+functions it follows (``pointwise.kernels``, ``rmsnorm.kernels``, the fused GEMM's ``mlp.kernels`` and the MoE
+kernel's ``experts.kernels``): the constexpr combinations the plans choose, each dtype, and the argument hints
+Triton's JIT would give an aligned launch (16-byte aligned pointers, integers divisible by 16). Integers that only bound rows or loops (``M``, the TMA kernels' sizes) are never
 hinted, so one binary serves every value; the few whose hint changes the code (a flat kernel's length, a row width)
 are compiled both ways. A launch outside this set (an unaligned view, an unusual plan) runs Triton's JIT.
 
@@ -41,10 +41,13 @@ from .config import BuildError, KernelConfig
 # The architectures prebuilt when the build is not told otherwise (--aot-capability): A100 / A30 (8.0), A10 / A40 /
 # RTX 30 (8.6), L4 / L40S / RTX 40 (8.9), H100 / H200 / GH200 (9.0), B200 / GB200 (10.0), RTX 50 / RTX PRO (12.0).
 DEFAULT_ARCHS = (80, 86, 89, 90, 100, 120)
-KERNEL_MODULES = ("_triton", "_rmsnorm_triton", "_fused_mlp_triton", "_experts_triton")
+# The modules whose kernels are prebuilt (each declares prebuild_launches() and PREBUILD_MIN_ARCH), and every file
+# their kernels' code comes from (the compile cache's key)
+KERNEL_MODULES = ("pointwise.kernels", "rmsnorm.kernels", "mlp.kernels", "experts.kernels")
+KERNEL_SOURCES = ("runtime/gelu_math.py",) + tuple(m.replace(".", "/") + ".py" for m in KERNEL_MODULES)
 MAX_SHARED = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024, 120: 99 * 1024}
 CACHE_ENV = "KERNELTOOLS_AOT_CACHE"
-PREFIX = "_prebuilt_sm"  # the package's _aot.PREFIX: <PREFIX><XY>.json and .cubin in the variant folder
+PREFIX = "_prebuilt_sm"  # the package's runtime.aot.PREFIX: <PREFIX><XY>.json and .cubin in the variant folder
 PTXAS_ENV = "KERNELTOOLS_AOT_PTXAS"  # the ptxas that assembles every architecture's cubins (default: Triton's CUDA 12)
 # The newest toolkit whose cubins every driver the kernels library serves loads: a CUDA 12.x cubin loads on any
 # CUDA 12 driver (>= 525, minor-version compatibility) and on CUDA 13 drivers; CUDA 13's need a driver >= 580.
@@ -77,156 +80,28 @@ def sm_target(arch: int) -> str:
 # --- what is compiled ----------------------------------------------------------------------------------------------
 
 
-def _pkg(package_dir: Path):
-    """The package's kernel modules, imported as submodules of a stand-in package (its __init__ is not run)."""
+def _pkg(package_dir: Path) -> dict:
+    """The package's kernel modules by name, imported as submodules of a stand-in package (its __init__ is not run)."""
     name = "_kerneltools_aot_pkg"
     if name not in sys.modules:
         pkg = types.ModuleType(name)
         pkg.__path__ = [str(package_dir)]
         sys.modules[name] = pkg
-    return types.SimpleNamespace(**{m: importlib.import_module(f"{name}.{m}") for m in KERNEL_MODULES})
-
-
-def _pow2_up_to(n: int):
-    v = 1
-    while v <= n:
-        yield v
-        v *= 2
+    return {m: importlib.import_module(f"{name}.{m}") for m in KERNEL_MODULES}
 
 
 def launches(package_dir: Path) -> list[dict]:
-    """Every launch to prebuild: {module, fn, args: [(name, type, hinted)], consts, num_warps, num_stages}, the
-    args in the kernel's order (its runtime arguments) with the hints the binary assumes. In a process without
-    TRITON_INTERPRET (the build runs it in a worker)."""
-    m = _pkg(package_dir)
-    if m._triton.INTERPRET:
+    """Every launch to prebuild: each kernel module's ``prebuild_launches()`` entries ({fn, args: [(name, type,
+    hinted)], consts, num_warps, num_stages}) with the module's name and its ``PREBUILD_MIN_ARCH``. In a process
+    without TRITON_INTERPRET (the build runs it in a worker)."""
+    mods = _pkg(package_dir)
+    if mods["pointwise.kernels"].INTERPRET:
         raise BuildError("the kernels to prebuild are listed from the package imported without TRITON_INTERPRET "
                          "(under it the package defines the interpreter's tiles); unset it.")
-    tri, nrm, fmt, ext = m._triton, m._rmsnorm_triton, m._fused_mlp_triton, m._experts_triton
     out = []
-
-    def add(module, fn, args, consts, num_warps, num_stages=3):
-        out.append(dict(module=module, fn=fn.__name__, args=args, consts=list(consts), num_warps=num_warps,
-                        num_stages=num_stages))
-
-    kf = (tri.K_BETA_TANH, tri.K_KAPPA, tri.K_ALPHA)
-    kb = kf + (tri.K_BETA_ERF, tri.K_3KAPPA)
-    dtypes = ("bf16", "fp16", "fp32")
-    # pointwise: the flat kernels at every tile _flat_plan can choose, the row kernels at every 2-D tile _tiles can
-    for dt in dtypes:
-        es = 4 if dt == "fp32" else 2
-        block, warps = tri.FLAT_TILES[es]
-        flat_plans = []
-        while True:
-            flat_plans.append((block, warps))
-            if block <= 256:
-                break
-            block //= 2
-            warps = max(1, min(warps, block // 256))
-        p = f"*{dt}"
-        per_program = 2048 if es <= 2 else 1024
-        for tanh in (False, True):
-            for block, warps in flat_plans:
-                for even in (True, False):
-                    for n_hint in ((True,) if even else (True, False)):
-                        add("_triton", tri._geglu_fwd_flat_kernel,
-                            [("gate_ptr", p, True), ("up_ptr", p, True), ("out_ptr", p, True), ("n", "i32", n_hint)],
-                            (tanh, block, even, False) + kf, warps)
-                        add("_triton", tri._geglu_bwd_flat_kernel,
-                            [("grad_ptr", p, True), ("gate_ptr", p, True), ("up_ptr", p, True), ("dg_ptr", p, True),
-                             ("du_ptr", p, True), ("n", "i32", n_hint)],
-                            (tanh, block, even, False) + kb, warps)
-            for block_n in (128, 256, 512, 1024):
-                for block_m in _pow2_up_to(per_program // block_n):
-                    warps = 4 if block_m * block_n >= 1024 else 2 if block_m * block_n >= 256 else 1
-                    add("_triton", tri._geglu_fwd_kernel,
-                        [("gate_ptr", p, True), ("up_ptr", p, True), ("out_ptr", p, True), ("M", "i32", False),
-                         ("N", "i32", True), ("stride_g", "i32", True), ("stride_u", "i32", True),
-                         ("stride_o", "i32", True)],
-                        (tanh, block_m, block_n) + kf, warps)
-                    add("_triton", tri._geglu_bwd_kernel,
-                        [("grad_ptr", p, True), ("gate_ptr", p, True), ("up_ptr", p, True), ("dg_ptr", p, True),
-                         ("du_ptr", p, True), ("M", "i32", False), ("N", "i32", True)]
-                        + [(s, "i32", True) for s in ("stride_dy", "stride_g", "stride_u", "stride_dg", "stride_du")],
-                        (tanh, block_m, block_n) + kb, warps)
-    # RMSNorm: every (block_m, block_d) the plans can choose from rows of 128 to MAX_FUSED_D, and the looped kernels
-    for dt in dtypes:
-        p = f"*{dt}"
-        for width_hint in (True, False):  # D and the row strides divisible by 16, or not
-            def rows(names):
-                return [(n, "i32", width_hint) for n in names]
-
-            tail = [("D", "i32", width_hint), ("EPS", "fp32", False), ("INV_D", "fp32", False),
-                    ("OFFSET", "fp32", False)]
-
-            def fwd_args(save, looped=False):  # without a saved rstd the launcher passes y in its place
-                return ([("x_ptr", p, True), ("w_ptr", p, True), ("y_ptr", p, True),
-                         ("rstd_ptr", "*fp32" if save else p, True)] + ([] if looped else [("M", "i32", False)])
-                        + rows(("stride_x", "stride_y")) + tail)
-
-            def bwd_args(has_rstd, has_dw):  # x stands in for a missing rstd or dw partial
-                return ([("dy_ptr", p, True), ("x_ptr", p, True), ("w_ptr", p, True),
-                         ("rstd_ptr", "*fp32" if has_rstd else p, True), ("dx_ptr", p, True),
-                         ("dwp_ptr", "*fp32" if has_dw else p, True), ("M", "i32", False)]
-                        + rows(("stride_dy", "stride_x", "stride_dx")) + tail)
-
-            flags = [(r, w) for r in (True, False) for w in (True, False)]
-            block_d = 128
-            while block_d <= nrm.MAX_FUSED_D:
-                for block_m in _pow2_up_to(max(1, 4096 // block_d)):
-                    warps = max(1, min(16, block_m * block_d // 512))
-                    for save in (True, False):
-                        add("_rmsnorm_triton", nrm._fwd_kernel, fwd_args(save), (block_m, block_d, save), warps)
-                for block_m in _pow2_up_to(max(1, 2048 // block_d)):
-                    warps = max(1, min(32, block_m * block_d // 256))
-                    for has_rstd, has_dw in flags:
-                        add("_rmsnorm_triton", nrm._bwd_kernel, bwd_args(has_rstd, has_dw),
-                            (block_m, block_d, has_rstd, has_dw), warps)
-                block_d *= 2
-            for save in (True, False):
-                add("_rmsnorm_triton", nrm._fwd_looped_kernel, fwd_args(save, looped=True), (nrm.CHUNK, save), 8)
-            for has_rstd, has_dw in flags:
-                add("_rmsnorm_triton", nrm._bwd_looped_kernel, bwd_args(has_rstd, has_dw),
-                    (nrm.CHUNK, has_rstd, has_dw), 8)
-            add("_rmsnorm_triton", nrm._dw_kernel,
-                [("dwp_ptr", "*fp32", True), ("dw_ptr", p, True), ("G", "i32", False), ("D", "i32", width_hint)],
-                (nrm.DW_BLOCK_G, nrm.DW_BLOCK_C), 4)
-    # the fused gate/up GEMM (TMA, sm_90): inference and training tiles, both kernels; sizes are never hinted
-    for dt in ("bf16", "fp16"):
-        def desc(name, block):
-            return (name, f"tensordesc<{dt}[{', '.join(map(str, block))}]>", False)
-
-        for cfg, save, paired in ((fmt.inference_config(4096), 0, True), (fmt.LARGE, 1, True), (fmt.LARGE, 2, True),
-                                  (fmt.inference_config(4096), 0, False), (fmt.LARGE, 1, False),
-                                  (fmt.LARGE, 2, False), (fmt.inference_config(128), 0, False),
-                                  (fmt.MEDIUM, 1, False), (fmt.MEDIUM, 2, False)):
-            bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-            sizes = [(n, "i32", False) for n in ("M", "N", "K")]
-            for tanh in (False, True):
-                if paired:
-                    args = [desc("x_ptr", [bm, bk]), desc("w_ptr", [2, bn, bk])] + [
-                        desc(n, [bm, bn]) for n in ("out_ptr", "g_ptr", "u_ptr")] + sizes
-                    for gate_first in (True, False):
-                        add("_fused_mlp_triton", fmt._paired_gate_up_geglu_kernel, args,
-                            fmt.paired_consts(tanh, save, gate_first, cfg), cfg.num_warps, cfg.num_stages)
-                else:
-                    args = ([desc("x_ptr", [bm, bk]), desc("wg_ptr", [bn, bk]), desc("wu_ptr", [bn, bk])]
-                            + [desc(n, [bm, bn]) for n in ("out_ptr", "g_ptr", "u_ptr")] + sizes
-                            + [(n, "i32", False) for n in ("stride_x", "stride_wg", "stride_wu", "stride_o",
-                                                            "stride_g", "stride_u")])
-                    add("_fused_mlp_triton", fmt._gate_up_geglu_kernel, args,
-                        fmt.gate_up_consts(tanh, save, True, cfg), cfg.num_warps, cfg.num_stages)
-        for cfg in (ext.LARGE, ext.SMALL_M):
-            bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-            for width_hint in (True, False):
-                args = ([desc("x_desc", [bm, bk]), desc("w_desc", [1, 2, bn, bk]), ("out_ptr", f"*{dt}", True)]
-                        + [(n, "*i32", True) for n in ("tile_expert_ptr", "tiles_end_ptr", "m_tiles_ptr",
-                                                        "offsets_ptr")]
-                        + [("S", "i32", False), ("E", "i32", False), ("N", "i32", width_hint),
-                           ("stride_o", "i32", width_hint), ("K", "i32", False), ("bound", "i32", False)])
-                for tanh in (False, True):
-                    add("_experts_triton", ext._grouped_geglu_kernel, args, ext.grouped_consts(tanh, cfg),
-                        cfg.num_warps, cfg.num_stages)
+    for name, mod in mods.items():
+        for launch in mod.prebuild_launches():
+            out.append(dict(launch, module=name, min_arch=mod.PREBUILD_MIN_ARCH))
     return out
 
 
@@ -294,7 +169,7 @@ def find_ptxas() -> tuple[Path, tuple[int, int]]:
 def _launches_in_worker() -> list[dict]:
     """:func:`launches` where the kernel modules were imported without TRITON_INTERPRET (under it they define the
     interpreter's stand-ins and tiles)."""
-    return launches(Path(_WORKER["pkg"]._triton.__file__).parent)
+    return launches(Path(_WORKER["pkg"]["pointwise.kernels"].__file__).parents[1])
 
 
 def _entry_params(ptx: str, name: str) -> list[str]:
@@ -310,7 +185,7 @@ def _compile_one(job: dict) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    mod = getattr(_WORKER["pkg"], job["module"])
+    mod = _WORKER["pkg"][job["module"]]
     fn = getattr(mod, job["fn"])
     names = fn.arg_names
     consts = dict(zip(names[len(job["args"]):], job["consts"]))
@@ -427,7 +302,7 @@ def build_aot(cfg: KernelConfig, variant: Path, archs: list[int], log=print, job
     ptxas, ptxas_v = find_ptxas()
     toolkit = f"{ptxas_v[0]}.{ptxas_v[1]}"
     pkg_dir = cfg.package_dir
-    sources = b"".join((pkg_dir / f"{m}.py").read_bytes() for m in KERNEL_MODULES)
+    sources = b"".join((pkg_dir / f).read_bytes() for f in KERNEL_SOURCES)
     cache = Path(os.environ.get(CACHE_ENV) or cfg.root / ".cache" / "kerneltools-aot")
     cache.mkdir(parents=True, exist_ok=True)
     todo, done, all_jobs = [], {}, []
@@ -438,8 +313,8 @@ def build_aot(cfg: KernelConfig, variant: Path, archs: list[int], log=print, job
         planned = pool.submit(_launches_in_worker).result()
         for arch in archs:
             for launch in planned:
-                if launch["module"] in ("_fused_mlp_triton", "_experts_triton") and arch < 90:
-                    continue  # TMA tensor descriptors: sm_90 and newer (older GPUs run the JIT's pointer path)
+                if arch < launch["min_arch"]:
+                    continue  # e.g. kernels that take TMA tensor descriptors: sm_90 and newer
                 job = dict(launch, arch=arch)
                 k = _job_key(job, sources, triton.__version__, ptxas_v)
                 all_jobs.append((job, k))

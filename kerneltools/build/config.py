@@ -204,11 +204,25 @@ def ops_py(ops_name: str, *, load_library: bool) -> str:
 
 
 def python_files(cfg: KernelConfig) -> list[Path]:
-    """The package's ``*.py`` files every variant ships (the generated ``_ops.py`` aside)."""
+    """The package's ``*.py`` files every variant ships, its subpackages' included (the generated ``_ops.py`` aside):
+    paths relative to the package folder, as the variant holds them."""
     pkg = cfg.package_dir
     if not (pkg / "__init__.py").is_file():
         raise BuildError(f"{pkg}/__init__.py is missing: the kernel package must live in torch-ext/{cfg.python_name}/.")
-    return sorted(p for p in pkg.glob("*.py") if p.name != "_ops.py")
+    files = sorted(p.relative_to(pkg) for p in pkg.rglob("*.py")
+                   if "__pycache__" not in p.parts and p.relative_to(pkg) != Path("_ops.py"))
+    for f in files:
+        if len(f.parts) > 1 and not (pkg / f.parent / "__init__.py").is_file():
+            raise BuildError(f"{pkg / f.parent} holds {f.name} but no __init__.py: every folder of the package must be "
+                             "a subpackage (add an __init__.py) or live outside torch-ext/.")
+    return files
+
+
+def copy_python_files(cfg: KernelConfig, variant: Path) -> None:
+    """Copy the package's Python files (:func:`python_files`) into ``variant``, keeping the subpackage folders."""
+    for rel in python_files(cfg):
+        (variant / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(cfg.package_dir / rel, variant / rel)
 
 
 def fresh_dir(path: Path) -> None:

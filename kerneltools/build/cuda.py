@@ -42,7 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .aot import DEFAULT_ARCHS, build_aot, cuda_release
-from .config import BuildError, KernelConfig, SourceId, fresh_dir, ops_id, ops_py, python_files, write_metadata
+from .config import (BuildError, KernelConfig, SourceId, copy_python_files, fresh_dir, ops_id, ops_py, python_files,
+                     write_metadata)
 
 KEY_MARKER = b"kerneltools-build-key:"
 MANYLINUX = "manylinux_2_28"
@@ -449,7 +450,7 @@ def build_compiled(cfg: KernelConfig, out_root: Path, sid: SourceId, capability:
     caps = select_capabilities(cfg, nvcc, capability, log)
     variant = out_root / variant_name(cfg, nvcc)
     name = ops_id(cfg, "cuda", sid)
-    py_files = python_files(cfg)  # fails early when the package is missing
+    python_files(cfg)  # fails early when the package is missing
     cu_files, cpp_files, all_sources = _sources(cfg)
     torch = torch_paths()
     py_inc = python_include()
@@ -493,8 +494,7 @@ def build_compiled(cfg: KernelConfig, out_root: Path, sid: SourceId, capability:
 
         fresh_dir(variant)
         shutil.copy2(new_so, variant / so_name)
-    for p in py_files:
-        shutil.copy2(p, variant / p.name)
+    copy_python_files(cfg, variant)
     (variant / "_ops.py").write_text(ops_py(name, load_library=True))
     build_aot(cfg, variant, list(DEFAULT_ARCHS) if aot_archs is None else aot_archs, log)
     write_metadata(variant, cfg, sid, name, {"type": "cuda", "archs": metadata_archs(caps)})

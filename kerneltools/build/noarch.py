@@ -5,11 +5,10 @@ files as the compiled variant's), so that its users compile nothing either."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 from .aot import DEFAULT_ARCHS, build_aot
-from .config import KernelConfig, SourceId, fresh_dir, ops_id, ops_py, python_files, source_id, write_metadata
+from .config import KernelConfig, SourceId, copy_python_files, fresh_dir, ops_id, ops_py, source_id, write_metadata
 
 NOARCH_BACKENDS = {"cpu": "cpu", "cuda": "triton"}  # variant backend -> ops-id tag
 
@@ -26,8 +25,7 @@ def build_noarch(cfg: KernelConfig, out_root: Path, backend: str, sid: SourceId 
     name = ops_id(cfg, NOARCH_BACKENDS[backend], sid)
     variant = out_root / f"torch-{backend}"
     fresh_dir(variant)
-    for p in python_files(cfg):
-        shutil.copy2(p, variant / p.name)
+    copy_python_files(cfg, variant)
     (variant / "_ops.py").write_text(ops_py(name, load_library=False))
     if backend == "cuda":
         build_aot(cfg, variant, list(DEFAULT_ARCHS) if aot_archs is None else aot_archs, log)

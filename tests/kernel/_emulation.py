@@ -1,9 +1,9 @@
 """Eager PyTorch's GeGLU rounding sequence, emulated step by step in numpy (docs/design.md, "Numerics").
 
-Every fp32 operation of the kernels' formulas (`_triton._gelu`, `_triton._gelu_grad`) is one correctly rounded
+Every fp32 operation of the kernels' formulas (`runtime.gelu_math.gelu`, `gelu_grad`) is one correctly rounded
 numpy float32 operation in the same order; `tl.fma` is an exactly rounded fused multiply-add (`fma32`); the
 roundings to the storage dtype T are round-to-nearest-even, as eager's. The transcendental functions are the ones
-the Triton interpreter evaluates (`_triton.py`'s interpreter branch): erf, exp and tanh in fp64 (Python's
+the Triton interpreter evaluates (`pointwise/kernels.py`'s interpreter branch): erf, exp and tanh in fp64 (Python's
 `math.erf`, numpy's `exp`, tanh as ``1 - 2 / (exp(2x) + 1)``), rounded to fp32. So on CPU tensors the interpreted
 kernels must equal this emulation bit for bit: a missing or an extra rounding, another operation order or an FMA
 where eager has none changes bits.
@@ -18,7 +18,7 @@ import torch
 
 F32 = np.float32
 
-# eager's constants, as C++ rounds them (the same as _triton.py's, recomputed here)
+# eager's constants, as C++ rounds them (the same as pointwise/kernels.py's, recomputed here)
 K_BETA_TANH = F32(math.sqrt(2.0) * (2.0 / math.sqrt(math.pi)) * 0.5)
 K_KAPPA = F32(0.044715)
 K_ALPHA = F32(1.0 / math.sqrt(2.0))
@@ -60,7 +60,7 @@ def tanh32(x):
 
 
 def gelu32(x, tanh: bool) -> np.ndarray:
-    """`_triton._gelu`: eager's GELU in fp32, operation by operation."""
+    """`runtime.gelu_math.gelu`: eager's GELU in fp32, operation by operation."""
     x = np.asarray(x, F32)
     with np.errstate(over="ignore", invalid="ignore"):
         if tanh:
@@ -71,7 +71,7 @@ def gelu32(x, tanh: bool) -> np.ndarray:
 
 
 def gelu_grad32(x, tanh: bool) -> np.ndarray:
-    """`_triton._gelu_grad`: d gelu / dx in eager gelu_backward's operation order."""
+    """`runtime.gelu_math.gelu_grad`: d gelu / dx in eager gelu_backward's operation order."""
     x = np.asarray(x, F32)
     with np.errstate(over="ignore", invalid="ignore"):
         if tanh:

@@ -142,8 +142,8 @@ class Calls:
     """Counts runs of a loaded kernel's norm implementations (wrapped, still called): proof that ours ran.
     ``package``: the loaded kernel's module name (``geglu.__name__``)."""
 
-    NAMES = {"_rmsnorm": ("cpu_forward", "cpu_backward", "scaled_host_forward"),
-             "_rmsnorm_triton": ("forward", "backward")}
+    NAMES = {"rmsnorm.ops": ("cpu_forward", "cpu_backward", "scaled_host_forward"),
+             "rmsnorm.kernels": ("forward", "backward")}
 
     def __init__(self, package: str, monkeypatch):
         import importlib

@@ -7,7 +7,7 @@ operation with its modifiers (.SAT, .RM, operand |x| and -x) is a node; products
 order of their operands (and the sign of a product up to which factor carries the minus: both exact). Predicated
 instructions and FSEL are selects; `normalize` lifts every select to the top, so a computation that selects
 coefficients before a polynomial (nvcc's erff) equals one that evaluates both polynomials and selects the result
-(the erf PTX in _triton.py) exactly when each side of the predicate computes the same operations on the same values.
+(the erf PTX in runtime/gelu_math.py) exactly when each side of the predicate computes the same operations on the same values.
 """
 
 from __future__ import annotations

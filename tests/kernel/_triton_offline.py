@@ -1,6 +1,6 @@
 """Compiles the package's Triton kernels for NVIDIA GPUs without a GPU (triton.compile for a GPUTarget), for
 tests/kernel/test_triton_ptx.py. Run as a script, in a process where TRITON_INTERPRET is unset (under the
-interpreter `_triton.py` defines its CPU stand-ins for erf/tanh/exp instead of CUDA's PTX):
+interpreter `pointwise/kernels.py` defines its CPU stand-ins for erf/tanh/exp instead of CUDA's PTX):
 
     python tests/kernel/_triton_offline.py OUT_DIR 80,90,100
 
@@ -12,7 +12,7 @@ Writes OUT_DIR/<tag>.ptx and OUT_DIR/<tag>.cubin for
   (what the kernels compute per element between their loads and roundings) for the SASS comparison with eager's
   CUDA code, at every arch;
 
-and OUT_DIR/manifest.json listing them, with _triton.py's inline PTX for erf, tanh and exp.
+and OUT_DIR/manifest.json listing them, with pointwise/kernels.py's inline PTX for erf, tanh and exp.
 """
 
 import importlib
@@ -29,16 +29,17 @@ from triton.compiler import ASTSource
 
 PACKAGE = Path(__file__).resolve().parents[2] / "torch-ext" / "geglu"
 
-# the package's _triton module, imported as a submodule of a stand-in package (its __init__, which needs the
-# built _ops, is not run)
+# the package's pointwise kernels and the GELU arithmetic they share, imported as submodules of a stand-in package
+# (its __init__, which needs the built _ops, is not run)
 _pkg = types.ModuleType("geglu_triton_offline")
 _pkg.__path__ = [str(PACKAGE)]
 sys.modules[_pkg.__name__] = _pkg
-tri = importlib.import_module("geglu_triton_offline._triton")
+tri = importlib.import_module("geglu_triton_offline.pointwise.kernels")
 if tri.INTERPRET:
-    sys.exit("TRITON_INTERPRET=1 is set: _triton.py would define the interpreter's functions, not CUDA's PTX")
+    sys.exit("TRITON_INTERPRET=1 is set: runtime/gelu_math.py would define the interpreter's functions, not CUDA's PTX")
 
-_gelu, _gelu_grad = tri._gelu, tri._gelu_grad
+gm = importlib.import_module("geglu_triton_offline.runtime.gelu_math")
+_gelu, _gelu_grad = gm.gelu, gm.gelu_grad
 
 
 @triton.jit
@@ -112,7 +113,7 @@ def main(out: Path, archs: list) -> None:
                 tag = f"probe-{name}-{flavour}-sm{arch}"
                 save(tag, compile_kernel(fn, arch, "*fp32", dict(TANH=tanh, **consts), 1), kind="probe",
                      probe=name, tanh=tanh, arch=arch)
-    ptx = {"erf": tri._ERF_PTX.value, "tanh": tri._TANH_PTX.value, "exp": tri._EXP_PTX.value}
+    ptx = {"erf": gm._ERF_PTX.value, "tanh": gm._TANH_PTX.value, "exp": gm._EXP_PTX.value}
     (out / "manifest.json").write_text(json.dumps({"compiled": manifest, "ptx": ptx}, indent=1))
 
 

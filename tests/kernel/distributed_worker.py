@@ -45,7 +45,7 @@ class Calls:
     """The (rows, cols) of every call of the kernel's CPU implementation, forward and backward."""
 
     def __init__(self, kernel):
-        self.cpu = importlib.import_module(kernel.__name__ + "._cpu")
+        self.cpu = importlib.import_module(kernel.__name__ + ".pointwise.cpu")
         self.fwd: list = []
         self.bwd: list = []
         fwd, bwd = self.cpu.geglu_fwd, self.cpu.geglu_bwd

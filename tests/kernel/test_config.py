@@ -9,7 +9,7 @@ import pytest
 
 
 def test_defaults_and_environment_parsing(geglu):
-    cfg = importlib.import_module(geglu.__name__ + "._config")
+    cfg = importlib.import_module(geglu.__name__ + ".runtime.config")
     assert cfg.Config.from_env({}) == cfg.Config("auto", True, False, "")
     env = {"GEGLU_BACKEND": " Triton ", "GEGLU_FUSED_MLP": "off", "GEGLU_FUSED_TRAINING": "YES",
            "GEGLU_CUDA_PLAN": " 128,P4 "}
@@ -27,7 +27,7 @@ def test_defaults_and_environment_parsing(geglu):
     ("32,4", "32,4", (32, 4, 0)), ("256,2", "256,2", (256, 2, 0)), ("128, p2", "128,p2", (128, 1, 2)),
     ("64,p4", "64,p4", (64, 1, 4))])
 def test_cuda_plan_forms(geglu, plan, canonical, args):
-    cfg = importlib.import_module(geglu.__name__ + "._config")
+    cfg = importlib.import_module(geglu.__name__ + ".runtime.config")
     assert cfg.parse_cuda_plan(plan, "x") == canonical
     assert cfg.plan_args(canonical) == args
 
@@ -35,7 +35,7 @@ def test_cuda_plan_forms(geglu, plan, canonical, args):
 @pytest.mark.parametrize("plan", ["256", "256,3", "300,1", "16,1", "0,1", "96,8", "256,p3", "256,p", "abc",
                                   "256,1,x", ",2", "256;2", None, 256])
 def test_cuda_plan_refuses_malformed_plans(geglu, plan):
-    cfg = importlib.import_module(geglu.__name__ + "._config")
+    cfg = importlib.import_module(geglu.__name__ + ".runtime.config")
     with pytest.raises(ValueError, match=r"is not a launch plan; expected .* \"<threads>,<unroll>\""):
         cfg.parse_cuda_plan(plan, "GEGLU_CUDA_PLAN")
     before = geglu.get_config()
@@ -50,7 +50,7 @@ def test_cuda_plan_needs_the_compiled_library(geglu):
     before = geglu.get_config()
     with geglu.configure(cuda_plan="auto"):
         assert geglu.get_config().cuda_plan == ""
-    direct = importlib.import_module(geglu.__name__ + "._direct")
+    direct = importlib.import_module(geglu.__name__ + ".runtime.direct")
     if direct.set_plan is not None:
         pytest.skip("this variant has the compiled library (the GPU tests force plans)")
     with pytest.raises(RuntimeError, match="cuda_plan='256,2'.*has no compiled CUDA library"):

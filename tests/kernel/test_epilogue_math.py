@@ -1,4 +1,4 @@
-"""The fused MLP's epilogue on given fp32 accumulators: `_fused_mlp_triton._geglu_epilogue` (every FAST_EPI / SAVE
+"""The fused MLP's epilogue on given fp32 accumulators: `mlp.tiles.geglu_epilogue` (every FAST_EPI / SAVE
 mode), called from a small test kernel on tiles we fill ourselves, so the GEMM's accumulation order plays no part.
 
 * The fast epilogues (FAST_EPI: the GeGLU of the fp32 accumulators, rounded once; SAVE = 2: also gelu(g) and
@@ -61,10 +61,11 @@ def _epilogue_kernel(acc_g_ptr, acc_u_ptr, y_ptr, g_ptr, u_ptr, N,
 
 @pytest.fixture(scope="module")
 def tri(geglu):
-    """The loaded kernel's _triton module (eager's constants); binds the epilogues under test for the kernels above."""
-    mod = importlib.import_module(geglu.__name__ + "._fused_mlp_triton")
-    globals()["_geglu_epilogue"] = mod._geglu_epilogue
-    return importlib.import_module(geglu.__name__ + "._triton")
+    """The loaded kernel's pointwise kernels module (eager's constants); binds the epilogue under test for the kernels
+    above."""
+    mod = importlib.import_module(geglu.__name__ + ".mlp.tiles")
+    globals()["_geglu_epilogue"] = mod.geglu_epilogue
+    return importlib.import_module(geglu.__name__ + ".pointwise.kernels")
 
 
 def _accumulators(m=2 * BM, n=2 * BN):

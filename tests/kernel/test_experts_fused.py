@@ -1,5 +1,5 @@
-"""The MoE experts' fused gate/up grouped GEMM (``_experts_triton``) and the inference block that uses it
-(``_experts.fused_forward``, reached through ``layers.GeGLUExperts`` with transformers' grouped_mm implementation).
+"""The MoE experts' fused gate/up grouped GEMM (``experts.kernels``) and the inference block that uses it
+(``experts.ops.fused_forward``, reached through ``layers.GeGLUExperts`` with transformers' grouped_mm implementation).
 
 Without a GPU the kernel runs under the Triton interpreter on CPU tensors (backend 'triton', the row threshold
 lowered); with one, the same tests run on CUDA, plus a `gpu` test at Gemma 4 26B-A4B's expert shape.
@@ -28,14 +28,14 @@ transformers = pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def et(geglu):
-    return importlib.import_module(geglu.__name__ + "._experts_triton")
+    return importlib.import_module(geglu.__name__ + ".experts.kernels")
 
 
 @pytest.fixture
 def experts_mod(geglu, monkeypatch):
-    """The package's ``_experts`` with the shipped rule saying fused at every row count (tiny shapes take the fused
+    """The package's ``experts.ops`` with the shipped rule saying fused at every row count (tiny shapes take the fused
     path where it applies), and the Triton backend on CPU (the interpreter)."""
-    mod = importlib.import_module(geglu.__name__ + "._experts")
+    mod = importlib.import_module(geglu.__name__ + ".experts.ops")
     monkeypatch.setattr(mod, "fused_rule", lambda rows, device: True)
     restore = geglu.configure(backend="auto" if HAS_CUDA else "triton")
     try:
@@ -246,14 +246,15 @@ def test_fused_block_only_where_the_rule_allows(geglu, experts_mod, monkeypatch)
 
 
 def test_shipped_rows_rule(geglu, monkeypatch):
-    """The shipped rule: from FUSED_MIN_ROWS routed rows for the GPU's architecture, never on one without an entry;
-    always on CPU tensors (the interpreter)."""
-    mod = importlib.import_module(geglu.__name__ + "._experts")
-    mlp_mod = importlib.import_module(geglu.__name__ + "._mlp")
-    monkeypatch.setattr(mlp_mod, "_capability", lambda device: 9)
+    """The shipped rule: from FUSED_RULES' min_rows routed rows for the GPU's architecture, never on one without an
+    entry; always on CPU tensors (the interpreter)."""
+    mod = importlib.import_module(geglu.__name__ + ".experts.ops")
+    backend = importlib.import_module(geglu.__name__ + ".runtime.backend")
+    monkeypatch.setattr(backend, "capability_major", lambda device: 9)
     cuda = torch.device("cuda", 0)
-    assert not mod.fused_rule(mod.FUSED_MIN_ROWS[9] - 1, cuda) and mod.fused_rule(mod.FUSED_MIN_ROWS[9], cuda)
-    monkeypatch.setattr(mlp_mod, "_capability", lambda device: 8)
+    rows = mod.FUSED_RULES[9]["min_rows"]
+    assert not mod.fused_rule(rows - 1, cuda) and mod.fused_rule(rows, cuda)
+    monkeypatch.setattr(backend, "capability_major", lambda device: 8)
     assert not mod.fused_rule(1 << 30, cuda)
     assert mod.fused_rule(1, torch.device("cpu"))
 

@@ -1,5 +1,5 @@
-"""The fused GeGLU MLP: the gate/up GEMM with the GeGLU in its epilogue (``_fused_mlp_triton``), ``GeGLUMLP``'s
-computation in every mode (``_mlp.geglu_mlp``: eager inference and its fused path with the per-shape timing rule,
+"""The fused GeGLU MLP: the gate/up GEMM with the GeGLU in its epilogue (``mlp.kernels``), ``GeGLUMLP``'s
+computation in every mode (``mlp.ops.geglu_mlp``, ``mlp.inference``, ``mlp.training``: eager inference and its fused path with the per-shape timing rule,
 the training node, the custom ops that torch.compile sees) and the Gluon backward of the ``fused_training`` setting.
 
 Without a GPU the Triton kernel runs under the interpreter on CPU tensors at tiny shapes (backend 'triton', the
@@ -29,12 +29,18 @@ APPROX = ["none", "tanh"]
 
 @pytest.fixture(scope="module")
 def mlp(geglu):
-    return importlib.import_module(geglu.__name__ + "._mlp")
+    """The MLP's inference path (the fused path's rule and thresholds)."""
+    return importlib.import_module(geglu.__name__ + ".mlp.inference")
+
+
+def _training(geglu):
+    """The MLP's training node and operators."""
+    return importlib.import_module(geglu.__name__ + ".mlp.training")
 
 
 @pytest.fixture(scope="module")
 def kt(geglu):
-    return importlib.import_module(geglu.__name__ + "._fused_mlp_triton")
+    return importlib.import_module(geglu.__name__ + ".mlp.kernels")
 
 
 @pytest.fixture
@@ -285,7 +291,7 @@ def test_saved_derivative_factors(kt, dtype, approximate, fast_epi):
 def test_packed_gradient_view(geglu):
     """`_packed` sees [d_g | d_u] as one [M, 2H] tensor only when they are the column halves of one buffer, in that
     order (then dW_gate and dW_up are one GEMM); separate buffers or the halves swapped give None."""
-    mlp = importlib.import_module(geglu.__name__ + "._mlp")
+    mlp = _training(geglu)
     gu = torch.randn(5, 12)
     packed = mlp._packed(gu[:, :6], gu[:, 6:])
     assert packed is not None and torch.equal(packed, gu)
@@ -299,14 +305,14 @@ def test_packed_gradient_view(geglu):
 @pytest.mark.parametrize("dtype", LOW_DTYPES)
 @pytest.mark.parametrize("M,D,H", [(1000, 320, 1000), (1000, 320, 4000), (4096, 2304, 9216)])
 def test_gpu_warp_specialised_backward_equals_pointwise(geglu, kt, M, D, H, dtype, approximate):
-    """The experimental Gluon kernel (_gluon_bwd.py: a TMA producer warp and two consumer warpgroups taking
+    """The experimental Gluon kernel (mlp/gluon_bwd.py: a TMA producer warp and two consumer warpgroups taking
     alternate tiles): d_g, d_u written over g, u equal our pointwise backward of the same d_h bit for bit (d_h exact
     by construction), at ragged sizes (one tile a program, then two: both warpgroups) and at a benchmark size, for 3
     and 4 stages, the epilogue's chunks unrolled and in a runtime loop, one or two warpgroups a consumer; and with
     ``deriv`` (g, u holding the forward's derivative factors) the two products d_h * u, d_h * g, each rounded once."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon backward is written for sm_90 (wgmma, TMA)")
-    ws = importlib.import_module(geglu.__name__ + "._gluon_bwd")
+    ws = importlib.import_module(geglu.__name__ + ".mlp.gluon_bwd")
     dy, wd, gu = _exact_grad_data(M, D, H, dtype)
     g0, u0 = gu[:, :H].contiguous(), gu[:, H:].contiguous()
     d_h = (dy.float() @ wd.float()).to(dtype)
@@ -416,18 +422,23 @@ def test_inference_follows_the_shipped_rule_without_timing(geglu, fused, fresh_d
     assert torch.equal(y, torch.mm(h, m.down_proj.weight.t()))
 
 
+def _backend_of(mod):
+    """The runtime's backend module of the package ``mod`` belongs to (where the shipped rules read the device)."""
+    return importlib.import_module(mod.__name__.rsplit(".", 2)[0] + ".runtime.backend")
+
+
 def test_shipped_rule(mlp, monkeypatch):
     """The shipped rule for sm_9x: fused from min_m rows where M * D * H reaches min_work, never on an architecture
     without a rule; always on CPU tensors (the interpreter)."""
     rule = mlp.FUSED_RULES[9]
     cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(mlp, "_capability", lambda device: 9)
+    monkeypatch.setattr(_backend_of(mlp), "capability_major", lambda device: 9)
     M = rule["min_m"]
     H = -(-int(rule["min_work"]) // (M * 2560))
     assert mlp.fused_rule(M, 2560, H, cuda) and mlp.fused_rule(16384, 2560, 10240, cuda)
     assert not mlp.fused_rule(M - 1, 2560, 1 << 16, cuda)
     assert not mlp.fused_rule(M, 2560, H - 1, cuda)
-    monkeypatch.setattr(mlp, "_capability", lambda device: 8)
+    monkeypatch.setattr(_backend_of(mlp), "capability_major", lambda device: 8)
     assert not mlp.fused_rule(1 << 20, 4096, 1 << 16, cuda)
     assert mlp.fused_rule(1, 1, 1, torch.device("cpu"))
 
@@ -450,7 +461,7 @@ def test_fused_path_never_runs_when_off_in_training_at_decode_or_through_modules
             assert torch.equal(m(x), eager)
             m.down_proj._forward_hooks.clear()
         y = m(x)  # training: the node (CPU), or eager's own ops (a host-bound CUDA step this small)
-        node = "MmBackward0" if HAS_CUDA and mlp.host_bound(x, m.gate_proj.weight) else "GeGLUMLPFunctionBackward"
+        node = "MmBackward0" if HAS_CUDA and _training(geglu).host_bound(x, m.gate_proj.weight) else "GeGLUMLPFunctionBackward"
         assert type(y.grad_fn).__name__ == node and torch.equal(y, eager)
         assert not calls
     finally:
@@ -470,10 +481,10 @@ def test_fused_training_on_cpu_runs_the_fused_forward_no_less_accurate(geglu, fu
     and every gradient no less accurate than eager's against fp64 (the numerics contract: each factor rounded once
     from fp32, where eager rounds g, u, gelu(g) and the dGeGLU's intermediates). Off, the node is eager's bits."""
     x, wg, wu, wd = _data(40, 32, 48, torch.bfloat16)
-    ref = _run(mlp.GeGLUMLPFunction.apply, x, wg, wu, wd, approximate)
+    ref = _run(_training(geglu).GeGLUMLPFunction.apply, x, wg, wu, wd, approximate)
     calls = _count(monkeypatch, kt, "gate_up_geglu")
     with geglu.configure(fused_training=True):
-        ours = _run(mlp.GeGLUMLPFunction.apply, x, wg, wu, wd, approximate)
+        ours = _run(_training(geglu).GeGLUMLPFunction.apply, x, wg, wu, wd, approximate)
     assert len(calls) == 1
     eager = _run(_eager, x, wg, wu, wd, approximate)
     _assert_equal(ref, eager, "fused_training off")
@@ -649,12 +660,12 @@ def _python_frames(fn):
 def test_compiled_graphs_call_the_mlp_ops_without_python_wrappers(geglu, mlp):
     """A compiled graph calls the inference op once per MLP layer: the dispatcher must go straight to our
     implementation, with none of torch.library.custom_op's Python layers around it (its autograd kernel and output
-    alias check, ~5 µs a call on the build machine: `_library.py`). The training op keeps its autograd kernel and
+    alias check, ~5 µs a call on the build machine: `runtime/library.py`). The training op keeps its autograd kernel and
     nothing else."""
     x, wg, wu, wd = _data(24, 32, 48, torch.bfloat16)
     with torch.no_grad():
         frames = _python_frames(lambda: geglu.ops.geglu_mlp.default(x, wg, wu, wd, "tanh"))
-    assert any(f.endswith("_mlp.py") for f in frames), frames  # our implementation ran
+    assert any(f.endswith("mlp/inference.py") for f in frames), frames  # our implementation ran
     assert not [f for f in frames if f"torch{os.sep}_library" in f], frames
     leaves = [t.clone().requires_grad_() for t in (x, wg, wu, wd)]
     with torch.no_grad():
@@ -671,7 +682,7 @@ def test_training_ops_equal_the_eager_node(geglu, mlp):
     """geglu_mlp_train + its backward op compute what the eager training node does, bit for bit (the same GEMM
     calls and roundings); gradients not asked for are not computed."""
     x, wg, wu, wd = _data(40, 32, 48, torch.bfloat16)
-    ref = _run(mlp.GeGLUMLPFunction.apply, x, wg, wu, wd, "tanh")
+    ref = _run(_training(geglu).GeGLUMLPFunction.apply, x, wg, wu, wd, "tanh")
     ours = _run(lambda *a: geglu.ops.geglu_mlp_train(*a)[0], x, wg, wu, wd, "tanh")
     _assert_equal(ours, ref, "training ops")
     y, g, u, h = geglu.ops.geglu_mlp_train(x, wg, wu, wd, "tanh")
@@ -713,7 +724,7 @@ def test_gpu_real_shapes_inference_vs_fp32_reference(geglu, mlp, kt, M, D, H, ap
     x, wg, wu, wd = _data(M, D, H, torch.bfloat16, device="cuda")
     with torch.no_grad():
         if M > mlp.DECODE_MAX_M:
-            ours = mlp._fused_forward(x, wg, wu, wd, approximate)
+            ours = mlp.fused_forward(x, wg, wu, wd, approximate)
         else:
             ours = mlp.inference(x, wg, wu, wd, approximate)
             assert torch.equal(ours, _eager(x, wg, wu, wd, approximate))
@@ -736,11 +747,11 @@ def test_gpu_fused_training_runs_the_gluon_backward_no_less_accurate(geglu, mlp,
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon backward is written for sm_90 (wgmma, TMA)")
     torch.backends.cuda.matmul.allow_tf32 = False
-    ws = importlib.import_module(geglu.__name__ + "._gluon_bwd")
+    ws = importlib.import_module(geglu.__name__ + ".mlp.gluon_bwd")
     calls = _count(monkeypatch, ws, "down_dgeglu_ws")
     x, wg, wu, wd = _data(M, D, H, torch.bfloat16, device="cuda")
     with geglu.configure(fused_training=True):
-        ours = _run(mlp.GeGLUMLPFunction.apply, x, wg, wu, wd, approximate)
+        ours = _run(_training(geglu).GeGLUMLPFunction.apply, x, wg, wu, wd, approximate)
     assert len(calls) == 1
     eager = _run(_eager, x, wg, wu, wd, approximate)
     ref32 = _run(_eager, *(t.float() for t in (x, wg, wu, wd)), approximate)
@@ -756,7 +767,7 @@ def test_gpu_compiled_fused_training_runs_the_gluon_backward_no_less_accurate(ge
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon backward is written for sm_90 (wgmma, TMA)")
     torch.backends.cuda.matmul.allow_tf32 = False
-    ws = importlib.import_module(geglu.__name__ + "._gluon_bwd")
+    ws = importlib.import_module(geglu.__name__ + ".mlp.gluon_bwd")
     calls = _count(monkeypatch, ws, "down_dgeglu_ws")
     M, D, H = 2048, 2304, 9216
     m, x = _layer(geglu, D, H, torch.bfloat16, approximate, M=M)
@@ -779,7 +790,7 @@ def test_gpu_fused_training_unaligned_dy_takes_the_products_fallback(geglu, mlp,
     output and every gradient are still no less accurate than eager's."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon backward is written for sm_90 (wgmma, TMA)")
-    ws = importlib.import_module(geglu.__name__ + "._gluon_bwd")
+    ws = importlib.import_module(geglu.__name__ + ".mlp.gluon_bwd")
     calls = _count(monkeypatch, ws, "down_dgeglu_ws")
     M, D, H = 1000, 320, 1000
     x, wg, wu, wd = _data(M, D, H, torch.bfloat16, device="cuda")
@@ -793,7 +804,7 @@ def test_gpu_fused_training_unaligned_dy_takes_the_products_fallback(geglu, mlp,
         return [y.detach()] + [t.grad for t in leaves]
 
     with geglu.configure(fused_training=True):
-        ours = run(mlp.GeGLUMLPFunction.apply, x, wg, wu, wd)
+        ours = run(_training(geglu).GeGLUMLPFunction.apply, x, wg, wu, wd)
     assert not calls
     eager = run(_eager, x, wg, wu, wd)
     ref32 = run(_eager, *(t.float() for t in (x, wg, wu, wd)))

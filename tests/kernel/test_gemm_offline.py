@@ -27,8 +27,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-et = importlib.import_module("geglu_offline._experts_triton")
-ft = importlib.import_module("geglu_offline._fused_mlp_triton")
+et = importlib.import_module("geglu_offline.experts.kernels")
+ft = importlib.import_module("geglu_offline.mlp.kernels")
 assert not et.INTERPRET
 K = dict(K_BETA_TANH=et.K_BETA_TANH, K_KAPPA=et.K_KAPPA, K_ALPHA=et.K_ALPHA)
 

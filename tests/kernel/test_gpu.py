@@ -124,7 +124,7 @@ def test_auto_routing_with_autograd(geglu, M, d):
     the fused kernels' autograd node; either way the values and gradients are eager's, bit for bit."""
     import importlib
 
-    backend = importlib.import_module(geglu.__name__ + "._backend")
+    backend = importlib.import_module(geglu.__name__ + ".runtime.backend")
     geglu.set_backend("auto")
     gate = randn(M, d, dtype=torch.bfloat16, device="cuda", scale=3).requires_grad_()
     up = randn(M, d, dtype=torch.bfloat16, device="cuda").requires_grad_()
@@ -170,7 +170,7 @@ def test_triton_direct_launch_after_the_first(geglu):
     with the same results: forward and backward, flat and row-strided."""
     import importlib
 
-    tr = importlib.import_module(geglu.__name__ + "._triton")
+    tr = importlib.import_module(geglu.__name__ + ".runtime.launch")
     geglu.set_backend("triton")
     try:
         x = randn(64, 2 * 4096, dtype=torch.bfloat16, device="cuda", scale=3)

@@ -10,11 +10,12 @@ import torch
 
 @pytest.fixture(scope="module")
 def mods(geglu):
-    return {name: importlib.import_module(f"{geglu.__name__}.{name}") for name in ("_direct", "_triton", "_backend")}
+    return {name: importlib.import_module(f"{geglu.__name__}.{name}")
+            for name in ("runtime.direct", "pointwise.kernels", "runtime.launch", "runtime.backend")}
 
 
 def test_output_overlap_rules(mods):
-    safe = mods["_direct"]._safe_output
+    safe = mods["runtime.direct"]._safe_output
     buf = torch.zeros(4, 64)
     gate, up = buf[:, :32], buf[:, 32:]  # the disjoint halves of a packed tensor (row stride 64)
     fresh = torch.empty(4, 32)
@@ -31,7 +32,7 @@ def test_output_overlap_rules(mods):
 
 
 def test_flat_plan(mods):
-    tr = mods["_triton"]
+    tr = mods["pointwise.kernels"]
     a = torch.zeros(8, 64)
     assert tr._flat(8, 64, a, a.clone())
     packed = torch.zeros(8, 128)
@@ -51,7 +52,7 @@ def test_flat_plan(mods):
 
 
 def test_direct_launch_key_and_hooks(mods, monkeypatch):
-    tr = mods["_triton"]
+    tr = mods["runtime.launch"]
     base = torch.zeros(64, dtype=torch.bfloat16)
     assert tr._spec(base) == (torch.bfloat16, True)
     assert tr._spec(base[1:]) == (torch.bfloat16, False)  # 2-byte offset: not 16-byte aligned
@@ -81,7 +82,7 @@ def triton_module():
 
 
 def test_auto_autograd_routing_rule(geglu, mods):
-    be = mods["_backend"]
+    be = mods["runtime.backend"]
     try:
         geglu.set_backend("auto")
         assert be.eager_autograd(be.AUTOGRAD_EAGER_BELOW - 1) and not be.eager_autograd(be.AUTOGRAD_EAGER_BELOW)

@@ -64,7 +64,7 @@ def _device():
 def kernel_calls(geglu, monkeypatch):
     """The names of the pointwise implementation entries that ran (``_run_fwd`` / ``_run_bwd``: every CPU and Triton
     call goes through them; on CUDA the compiled library's lean paths do not, so tests assert on CPU)."""
-    ops = importlib.import_module(geglu.__name__ + "._custom_ops")
+    ops = importlib.import_module(geglu.__name__ + ".pointwise.ops")
     calls = []
     for name in ("_run_fwd", "_run_bwd"):
         real = getattr(ops, name)

@@ -1,4 +1,4 @@
-"""GeGLUMLP's training step as one autograd node (torch-ext/geglu/_mlp.py), through kernels' kernelize: output and
+"""GeGLUMLP's training step as one autograd node (torch-ext/geglu/mlp/ops.py), through kernels' kernelize: output and
 every gradient equal the host's eager step bit for bit (CPU here, CUDA on the device), frozen weights and inputs,
 saved-tensor hooks (checkpointing, offloading), the refusal of a second backward, the fallback under autocast, and
 on the GPU the backward's peak memory against eager's."""
@@ -38,7 +38,7 @@ def _grads(model, x, dy):
     return y, torch.autograd.grad(y, inputs, dy)
 
 
-# CPU: small; CUDA: [M, H] above _backend.NODE_EAGER_BELOW (2^21), where the node runs under 'auto' (the
+# CPU: small; CUDA: [M, H] above runtime.backend.NODE_EAGER_BELOW (2^21), where the node runs under 'auto' (the
 # Triton kernels), and a small step with the compiled library forced (GEGLU backend 'cuda').
 CASES = [pytest.param("cpu", (37,), 136, None, id="cpu-2d"), pytest.param("cpu", (3, 11), 136, None, id="cpu-3d"),
          pytest.param("cuda", (2100,), 1024, None, id="cuda-2d", marks=pytest.mark.gpu),

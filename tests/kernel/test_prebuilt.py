@@ -1,4 +1,4 @@
-"""Prebuilt Triton kernels (``_aot``, ``kerneltools.build.aot``): what the build compiles covers every plan the
+"""Prebuilt Triton kernels (``runtime.aot``, ``kerneltools.build.aot``): what the build compiles covers every plan the
 launchers choose, the run-time lookup takes the most specialised binary the launch allows and otherwise says no
 (then Triton's JIT runs), and on a GPU the prebuilt kernels compute the JIT's bits and a fresh process runs a
 kernelized model without compiling anything.
@@ -31,9 +31,9 @@ def _source_modules():
 
     aot._pkg(PACKAGE)
     name = "_kerneltools_aot_pkg"
-    return types.SimpleNamespace(**{m: importlib.import_module(f"{name}.{m}")
-                                    for m in ("_aot", "_config", "_triton", "_rmsnorm_triton", "_fused_mlp_triton",
-                                              "_experts_triton")})
+    mods = {"aot": "runtime.aot", "config": "runtime.config", "launch": "runtime.launch", "tri": "pointwise.kernels",
+            "nrm": "rmsnorm.kernels", "fmt": "mlp.kernels", "ext": "experts.kernels"}
+    return types.SimpleNamespace(**{k: importlib.import_module(f"{name}.{m}") for k, m in mods.items()})
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +70,8 @@ def plans_not_prebuilt() -> list:
 
     have = _prebuilt(aot.launches(PACKAGE))
     m = _source_modules()
-    tri, nrm, fmt, ext = m._triton, m._rmsnorm_triton, m._fused_mlp_triton, m._experts_triton
-    tri._sm_count = nrm._sm_count = lambda device: H200_SMS
+    tri, nrm, fmt, ext = m.tri, m.nrm, m.fmt, m.ext
+    tri.sm_count = nrm.sm_count = lambda device: H200_SMS
     kf = (tri.K_BETA_TANH, tri.K_KAPPA, tri.K_ALPHA)
     kb = kf + (tri.K_BETA_ERF, tri.K_3KAPPA)
     missing = []
@@ -127,7 +127,7 @@ def plans_not_prebuilt() -> list:
 
 def _fake_index(src, monkeypatch, entries):
     """The lookup over a made-up index for arch 90 (no GPU: the driver calls are stubbed)."""
-    aot = src._aot
+    aot = src.aot
     by_key = {}
     for e in entries:
         e["hint_mask"] = sum(1 << i for i, h in enumerate(e["hints"]) if h)
@@ -146,7 +146,7 @@ def test_lookup_takes_the_most_specialised_binary_the_launch_allows(src, monkeyp
     """Of two binaries of one launch, the one assuming every argument aligned runs where they are, the one assuming
     less where the length is not divisible by 16; a misaligned pointer, another dtype, another tile or the
     ``prebuilt`` setting off find nothing (the caller's JIT runs)."""
-    aot = src._aot
+    aot = src.aot
     base = dict(fn="k", consts=[True, 1024], num_warps=4, num_stages=3, types=["*bf16", "*bf16", "i32"])
     chosen = _fake_index(src, monkeypatch, [dict(base, hints=[True, True, False], name="some"),
                                             dict(base, hints=[True, True, True], name="all")])
@@ -158,7 +158,7 @@ def test_lookup_takes_the_most_specialised_binary_the_launch_allows(src, monkeyp
     assert aot.find("k", [a.half(), b.half(), 4096], (True, 1024), 4, 3, 0) is None
     assert aot.find("k", [a, b, 4096], (True, 512), 4, 3, 0) is None
     assert aot.find("k", [a, b, 2 ** 31], (True, 1024), 4, 3, 0) is None  # an i64 length: another signature
-    with src._config.configure(prebuilt=False):
+    with src.config.configure(prebuilt=False):
         assert aot.find("k", [a, b, 4096], (True, 1024), 4, 3, 0) is None
     assert len(chosen) == 2
 
@@ -169,7 +169,7 @@ def test_launcher_packs_parameters_as_triton_passes_them(src, monkeypatch):
     the block of 32 x warps threads and the compiled shared memory go to cuLaunchKernel."""
     import ctypes
 
-    aot = src._aot
+    aot = src.aot
     seen = {}
 
     class Lib:
@@ -206,7 +206,7 @@ def test_launcher_packs_parameters_as_triton_passes_them(src, monkeypatch):
 
 def test_a_variant_without_prebuilt_kernels_finds_none(src, monkeypatch, tmp_path):
     """No index files beside the package (the noarch variants, the source tree): no architectures, no lookups."""
-    aot = src._aot
+    aot = src.aot
     monkeypatch.setattr(aot, "HERE", str(tmp_path))
     monkeypatch.setattr(aot, "_indexes", {})
     assert aot.architectures() == [] and aot.info()["architectures"] == []
@@ -237,7 +237,7 @@ def test_each_gpu_family_runs_the_binaries_nvidia_allows(src, monkeypatch, tmp_p
     portable sm_8x cubin runs on later minors of major 8); sm_75, sm_103, sm_110 and sm_121 run the JIT (sm_90a /
     sm_100a / sm_120a cubins run on that exact architecture only, never across majors). With sm_80 and sm_90 alone,
     sm_86 and sm_89 run sm_80's. ``prebuilt_kernels()`` says the same per family, and the device lookup follows it."""
-    aot = src._aot
+    aot = src.aot
     _ship(aot, monkeypatch, tmp_path, [80, 86, 89, 90, 100, 120])
     want = {75: None, 80: 80, 86: 86, 87: 86, 89: 89, 90: 90, 100: 100, 103: None, 110: None, 120: 120, 121: None}
     shipped = aot.architectures()
@@ -303,7 +303,7 @@ def test_a_binary_the_driver_refuses_falls_back_to_the_jit_with_one_warning(src,
     warning again; ``prebuilt_kernels()['refused']`` lists the device. Another device keeps its prebuilt kernels."""
     import warnings
 
-    aot = src._aot
+    aot = src.aot
     entry = dict(fn="k", consts=[1], num_warps=4, num_stages=3, types=["*bf16", "i32"], hints=[True, True],
                  name="k_entry", shared=64 * 1024, image=b"\x7fELF fake cubin")
     _ship(aot, monkeypatch, tmp_path, [90], [entry])
@@ -334,7 +334,7 @@ needs_prebuilt = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 
 
 def _aot_of(geglu):
-    return importlib.import_module(geglu.__name__ + "._aot")
+    return importlib.import_module(geglu.__name__ + ".runtime.aot")
 
 
 def _jit_against_prebuilt(geglu, aot, families):
@@ -358,19 +358,17 @@ def _jit_against_prebuilt(geglu, aot, families):
 
 
 def _compare(geglu, families, hits):
-    kt = importlib.import_module(geglu.__name__ + "._fused_mlp_triton")
-    et = importlib.import_module(geglu.__name__ + "._experts_triton")
-    tri = importlib.import_module(geglu.__name__ + "._triton")
+    kt = importlib.import_module(geglu.__name__ + ".mlp.kernels")
+    et = importlib.import_module(geglu.__name__ + ".experts.kernels")
+    launch_mod = importlib.import_module(geglu.__name__ + ".runtime.launch")
 
     def both(fn):
         """fn's result through the JIT and through the prebuilt kernels (the Triton backend: at every size)."""
         with geglu.configure(backend="triton"):
-            tri._DIRECT_LAUNCH.clear()
-            tri._PREBUILT.clear()
+            launch_mod.clear_caches()
             with geglu.configure(prebuilt=False):
                 jit = fn()
-            tri._DIRECT_LAUNCH.clear()
-            tri._PREBUILT.clear()
+            launch_mod.clear_caches()
             n = len(hits)
             pre = fn()
             torch.cuda.synchronize()
@@ -480,12 +478,11 @@ def test_gpu_another_architectures_code_through_the_driver_jit(geglu, monkeypatc
     monkeypatch.setattr(aot, "_arch", lambda device_index: 80)
     monkeypatch.setattr(aot, "_loaded", {})
     monkeypatch.setattr(aot, "_launchers", {})
-    tri = importlib.import_module(geglu.__name__ + "._triton")
+    launch_mod = importlib.import_module(geglu.__name__ + ".runtime.launch")
     try:
         bad = _jit_against_prebuilt(geglu, aot, ("pointwise", "norm"))
     finally:  # the launch caches hold the PTX-backed kernels: later tests look their own up again
-        tri._PREBUILT.clear()
-        tri._DIRECT_LAUNCH.clear()
+        launch_mod.clear_caches()
     assert not bad, bad
     assert aot.info()["refused"] == {}
 
@@ -519,7 +516,7 @@ register_geglu_kernels(DEFAULT_REPO_ID, revision="local", devices=("cuda",))
 import kernels
 import importlib
 kernel = kernels.get_local_kernel(Path(build))
-aot = importlib.import_module(kernel.__name__ + "._aot")
+aot = importlib.import_module(kernel.__name__ + ".runtime.aot")
 misses = []  # launches the index has no binary for: (kernel, constexprs, types, hints)
 real_find = aot.find
 def find(name, args, consts, warps, stages, dev):

@@ -128,7 +128,7 @@ def test_kernel_rounds_like_eager_given_its_rstd(norm_impl, geglu, dtype, wdtype
     name, device = norm_impl
     if name == "cpu":
         pytest.skip("the CPU implementation is eager itself (test_forward)")
-    tri = _mod(geglu, "_rmsnorm_triton")
+    tri = _mod(geglu, "rmsnorm.kernels")
     for shape in [(40, 2560), (64, 256), (3, 20000)]:
         seed = _seed("emulate", shape, dtype, wdtype)
         x, w, _ = _data(shape, dtype, wdtype, 1.0, seed, device)
@@ -356,8 +356,8 @@ def test_layer_rules_and_kernel_runs_in_inference_and_training(norm_impl, geglu,
     assert len(norms) == 6 and all(m.forward.__func__.__qualname__ == "GemmaRMSNorm.forward" for m in norms)
     x = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(seed)).to(device)
     dy = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(seed + 1)).to(device)
-    impl_fwd, impl_bwd = (("_rmsnorm.cpu_forward", None) if name == "cpu"
-                          else ("_rmsnorm_triton.forward", "_rmsnorm_triton.backward"))
+    impl_fwd, impl_bwd = (("rmsnorm.ops.cpu_forward", None) if name == "cpu"
+                          else ("rmsnorm.kernels.forward", "rmsnorm.kernels.backward"))
 
     with torch.no_grad():
         y, y_ref = model(x), ref(x)
@@ -479,8 +479,8 @@ def test_scaled_layer_inference_and_training(norm_impl, geglu, build_dir, monkey
     y, y_ref = mod(xa), ref(xb)
     y.backward(dy)
     y_ref.backward(dy)
-    assert calls.take() == ({"_rmsnorm.scaled_host_forward": 1} if name == "cpu"
-                            else {"_rmsnorm_triton.forward": 1, "_rmsnorm_triton.backward": 1})
+    assert calls.take() == ({"rmsnorm.ops.scaled_host_forward": 1} if name == "cpu"
+                            else {"rmsnorm.kernels.forward": 1, "rmsnorm.kernels.backward": 1})
     dw = mod.weight.grad if with_scale else None
     if name == "cpu":
         assert torch.equal(y, y_ref) and torch.equal(xa.grad, xb.grad)
@@ -498,14 +498,14 @@ def test_scaled_layer_keeps_the_hosts_math_for_other_dtypes(norm_impl, geglu, bu
         kernelize(mod, mode=Mode.INFERENCE, device=device)
     calls = _Calls(geglu.__name__, monkeypatch)
     x = torch.randn(3, 48, dtype=torch.float64, device=device)
-    assert torch.equal(mod(x), ref(x)) and calls.take() == {"_rmsnorm.scaled_host_forward": 1}
+    assert torch.equal(mod(x), ref(x)) and calls.take() == {"rmsnorm.ops.scaled_host_forward": 1}
 
 
 @pytest.mark.gpu
 def test_gpu_scaled_layer_in_a_cuda_graph(geglu, build_dir):
     """A norm without weight first called inside a CUDA graph capture makes no tensor there (it runs the host's
     math); called once outside, the captured graph runs the kernel. Both replays equal their eager runs."""
-    geglu._rmsnorm._UNIT_SCALES.clear()
+    geglu.rmsnorm.ops._UNIT_SCALES.clear()
     mod, ref = _scaled_pair("cuda", torch.bfloat16, _seed("scaled-graph"), False)
     with use_kernel_mapping(_scaled_mapping(build_dir, "cuda")):
         kernelize(mod, mode=Mode.INFERENCE, device="cuda")
@@ -522,7 +522,7 @@ def test_gpu_scaled_layer_in_a_cuda_graph(geglu, build_dir):
         g.replay()
         torch.cuda.synchronize()
         results.append(y.clone())
-        assert (("cuda" in {k[-1].type for k in geglu._rmsnorm._UNIT_SCALES}) == warm)
+        assert (("cuda" in {k[-1].type for k in geglu.rmsnorm.ops._UNIT_SCALES}) == warm)
     with torch.no_grad():
         assert torch.equal(results[0], ref(x))  # the host's math
         assert torch.equal(results[1], eager)  # the kernel, as outside the graph
@@ -602,8 +602,8 @@ import torch
 import kernels
 
 pkg = kernels.get_local_kernel(Path(sys.argv[1])).__name__
-kt = importlib.import_module(pkg + "._rmsnorm_triton")
-importlib.import_module(pkg + "._triton")._SM_COUNT[0] = 132  # the H200's SMs, for the plans
+kt = importlib.import_module(pkg + ".rmsnorm.kernels")
+importlib.import_module(pkg + ".runtime.launch")._SM_COUNT[0] = 132  # the H200's SMs, for the plans
 cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 dev = torch.device("cuda", 0)
 out = []

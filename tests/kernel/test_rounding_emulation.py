@@ -26,7 +26,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def tri(geglu):
-    return importlib.import_module(geglu.__name__ + "._triton")
+    return importlib.import_module(geglu.__name__ + ".pointwise.kernels")
 
 
 def _special(dtype):

@@ -2,11 +2,11 @@
 CUDA's own erff/tanhf/expf instruction sequences and no other approximation or FMA contraction.
 
 tests/kernel/_triton_offline.py compiles the kernels with `triton.compile` for NVIDIA targets (in a subprocess with
-TRITON_INTERPRET unset, so that _triton.py defines its PTX, not the interpreter's stand-ins), with the launcher's
+TRITON_INTERPRET unset, so that runtime/gelu_math.py defines its PTX, not the interpreter's stand-ins), with the launcher's
 options (enable_fp_fusion=False). Then:
 
 * the PTX of every pointwise kernel (forward/backward, flat/row-strided, erf/tanh, each dtype) holds the inline
-  erf/tanh/exp sequences of _triton.py once per element and nothing else transcendental: no libdevice call, no
+  erf/tanh/exp sequences of runtime/gelu_math.py once per element and nothing else transcendental: no libdevice call, no
   ex2/rcp/tanh approximation outside those sequences, every float add/sub/mul marked `.rn` (ptxas may not contract
   it into an FMA), FMAs only where _gelu/_gelu_grad write tl.fma, conversions to the storage dtype round to
   nearest even;
@@ -117,7 +117,7 @@ def test_kernels_use_cudas_transcendental_sequences(offline):
                 found[name] += 1
             else:
                 bad = [i for i in norm if not _MEMORY.match(i)]
-                assert not bad, f"{tag}: inline asm neither a load/store nor one of _triton.py's sequences: {bad}"
+                assert not bad, f"{tag}: inline asm neither a load/store nor one of runtime/gelu_math.py's sequences: {bad}"
         n = meta["elements_per_thread"]
         bwd = meta["kernel"].startswith("bwd")
         want = {"tanh": n} if meta["tanh"] else {"erf": n, **({"exp": n} if bwd else {})}
@@ -165,7 +165,7 @@ def test_gelu_sass_is_eagers(offline, tmp_path, arch):
 
 
 # The launches whose results are eager's bits (or, for the fused epilogues, a stated rounding sequence).
-EAGER_EXACT_LAUNCHERS = ["_triton.py", "_fused_mlp_triton.py", "_gluon_bwd.py"]
+EAGER_EXACT_LAUNCHERS = ["runtime/launch.py", "mlp/kernels.py", "mlp/gluon_bwd.py"]
 
 
 @pytest.mark.parametrize("name", EAGER_EXACT_LAUNCHERS)

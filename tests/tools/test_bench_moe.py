@@ -47,7 +47,7 @@ def test_bench_moe_quick_on_cpu(build_dir, tmp_path):
             elif row["impl"] == "ours":  # the fused epilogue is not eager's bits; within a unit of bf16 here
                 assert row["max_abs"] is not None and row["max_abs"] < 0.05, where
             continue
-        # below FUSED_MIN_ROWS routed rows the block's gate is the packed kernel: bit-exact on CPU
+        # below FUSED_RULES' min_rows routed rows the block's gate is the packed kernel: bit-exact on CPU
         assert row["equal"], f"{where}: max|d| {row['max_abs']} against eager"
         if row["impl"].startswith("ours"):
             assert row["packed_calls"] == 1, where  # grouped_mm: one gate per experts call

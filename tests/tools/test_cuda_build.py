@@ -104,7 +104,12 @@ def built(tmp_path_factory) -> Built:
 # --- kernel-builder's output contract ------------------------------------------------------------------------
 
 
-def test_variant_name_and_flat_layout(built):
+def _files(folder: Path) -> list:
+    """Every file under ``folder``, as paths relative to it (no caches)."""
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+
+
+def test_variant_name_and_layout(built):
     nvcc = cuda_build.probe_nvcc(cuda_build.find_nvcc())
     assert built.variant.name == f"torch-stable-abi210-cu{nvcc.major}{nvcc.minor}-x86_64-linux"
     from kerneltools.kernels_api import parse_variant
@@ -112,14 +117,17 @@ def test_variant_name_and_flat_layout(built):
     assert parse_variant(built.variant.name).name == built.variant.name  # kernels' own grammar
     assert built.variant.parent == built.out
     assert OPS_RE.match(built.ops), built.ops
-    entries = sorted(p.name for p in built.variant.iterdir())
-    assert not [p for p in built.variant.iterdir() if p.is_dir()], f"variant folder must be flat: {entries}"
-    package = sorted(p.name for p in (REPO / "torch-ext" / "geglu").glob("*.py") if p.name != "_ops.py")
+    # the package as it is in torch-ext/geglu (its subpackages included), the generated files and the binaries;
+    # every folder of the variant is one of the package's subpackages
+    entries = _files(built.variant)
+    src = REPO / "torch-ext" / "geglu"
+    package = sorted(str(p.relative_to(src)) for p in src.rglob("*.py") if p.name != "_ops.py"
+                     and "__pycache__" not in p.parts)
     prebuilt = [f"_prebuilt_sm{a}.{ext}" for a in _aot_archs() for ext in ("json", "cubin")]
     assert entries == sorted(package + ["_ops.py", "metadata.json", f"{built.ops}.abi3.so"] + prebuilt)
-    noarch = sorted(p.name for p in (built.out / "torch-cuda").iterdir())
-    assert noarch == sorted(package + ["_ops.py", "metadata.json"] + prebuilt)
-    assert "__init__.py" in entries
+    assert _files(built.out / "torch-cuda") == sorted(package + ["_ops.py", "metadata.json"] + prebuilt)
+    assert all((d / "__init__.py").is_file() for d in built.variant.rglob("*") if d.is_dir())
+    assert "__init__.py" in entries and "runtime/launch.py" in entries
     assert any("compiling device code" in line for line in built.log), "progress lines missing"
     assert any("ABI check" in line for line in built.log)
 
@@ -192,7 +200,7 @@ def test_prebuilt_kernels_in_the_variant(built, which):
         assert index["arch"] == arch and index["triton"] == triton.__version__ and index["compression"] == "zlib"
         assert index["target"] == aot.sm_target(arch) and index["ptxas"] == "12.9"
         want = [(l["fn"], l["consts"], l["num_warps"], l["num_stages"]) for l in launches
-                if arch >= 90 or l["module"] not in ("_fused_mlp_triton", "_experts_triton")]
+                if arch >= l["min_arch"]]
         assert sorted(map(repr, ((e["fn"], e["consts"], e["num_warps"], e["num_stages"]) for e, _ in cubins))) \
             == sorted(map(repr, want)), arch
         for e, cubin in cubins:
@@ -233,7 +241,7 @@ for l in planned:
 out = []
 for arch in aot.DEFAULT_ARCHS:
     for l in sample.values():
-        if arch < 90 and l["module"] in ("_fused_mlp_triton", "_experts_triton"):
+        if arch < l["min_arch"]:
             continue
         res = aot._compile_one(dict(l, arch=arch))
         toolkit, target = aot.cubin_toolkit(zlib.decompress(res["cubin"]))
@@ -359,26 +367,21 @@ def test_no_prebuilt_kernels_when_asked_for_none(built, tmp_path, monkeypatch):
         aot.parse_archs("sm_90")
 
 
+@pytest.mark.ecosystem
 def test_the_cuda_12_variant_name_is_what_kernels_gives_cuda_12_torch_builds():
     """A compiled variant built with nvcc 12.4 is named cu124, and kernels' resolver gives it to torch >= 2.10 on
     CUDA 12.4-12.9 (cu126, cu128, cu129 builds), the cu130 one to CUDA 13 torch, and torch-cuda to the rest."""
-    variants = pytest.importorskip("kernels.variants")
-    resolve = getattr(variants, "_resolve_variant_for_system", None)
-    if resolve is None:
-        pytest.skip("this kernels has no _resolve_variant_for_system")
-    from kernels.backends import CUDA
-    from packaging.version import Version
+    from kerneltools.kernels_api import resolve_for_system
 
     cfg = kbuild.read_config(REPO)
     names = [cuda_build.variant_name(cfg, cuda_build.Nvcc(Path("nvcc"), major, minor, "", ()))
              for major, minor in ((12, 4), (13, 0))]
     assert names == ["torch-stable-abi210-cu124-x86_64-linux", "torch-stable-abi210-cu130-x86_64-linux"]
-    parsed = [variants.parse_variant(n) for n in names + ["torch-cuda", "torch-cpu"]]
     picks = {}
     for cuda, torch_version in (("12.4", "2.10.0"), ("12.6", "2.10.0"), ("12.8", "2.11.0"), ("12.9", "2.12.0"),
                                 ("13.0", "2.11.0"), ("12.1", "2.10.0"), ("12.8", "2.9.0")):
-        accepted, _ = resolve(parsed, CUDA(Version(cuda)), "x86_64", "linux", Version(torch_version), True, None)
-        picks[(cuda, torch_version)] = accepted[0].variant_str
+        picks[(cuda, torch_version)] = resolve_for_system(names + ["torch-cuda", "torch-cpu"], cuda=cuda,
+                                                          torch_version=torch_version)[0]
     assert picks == {("12.4", "2.10.0"): names[0], ("12.6", "2.10.0"): names[0], ("12.8", "2.11.0"): names[0],
                      ("12.9", "2.12.0"): names[0], ("13.0", "2.11.0"): names[1], ("12.1", "2.10.0"): "torch-cuda",
                      ("12.8", "2.9.0"): "torch-cuda"}
@@ -440,7 +443,7 @@ def test_linking_and_exports(built):
         for line in syms.splitlines()
         if re.search(r"\b(FUNC|OBJECT)\b", line) and " UND " not in line and "GLOBAL" in line
     }
-    # the Python module's init and the plain C entry points of the package's ctypes fast path (_direct.py)
+    # the Python module's init and the plain C entry points of the package's ctypes fast path (runtime/direct.py)
     assert exported == {f"PyInit_{built.ops}", "geglu_c_fwd", "geglu_c_bwd", "geglu_c_error_string", "geglu_c_set_plan"}
 
 

@@ -60,7 +60,7 @@ def test_hub_dies_mid_download(hub, tmp_path, geglu_builds):
     r1 = v1.publish(hub)
     cache = tmp_path / "kcache"  # kernels_env's KERNELS_CACHE
     # the trust check, refs, tree and metadata.json calls succeed; the server dies halfway through a variant file
-    hub.restart(env={CRASH_ENV: "mid-download:build/torch-cpu/_triton.py"})
+    hub.restart(env={CRASH_ENV: "mid-download:build/torch-cpu/pointwise/kernels.py"})
     out = run_kernels(hub.url, tmp_path, prelude=GEGLU_PROBE + NO_BACKOFF, body=f"""
     import httpx2  # huggingface_hub 2.x's HTTP client
     from kernels import get_kernel
@@ -70,7 +70,7 @@ def test_hub_dies_mid_download(hub, tmp_path, geglu_builds):
         out["error"] = f"{{type(e).__name__}}: {{e}}"
         out["transport_error"] = isinstance(e, httpx2.TransportError)
     """)
-    assert hub.wait_exit(10) == 137  # it died where it was told to: halfway through sending _triton.py
+    assert hub.wait_exit(10) == 137  # it died where it was told to: halfway through sending pointwise/kernels.py
     # kernels passes the HTTP client's transport error through (ConnectError: Connection refused, ReadError:
     # Connection reset by peer, RemoteProtocolError: Server disconnected..., whichever download notices first).
     # huggingface_hub logs "Error while downloading from <url>" only for the errors it retries (not for a reset), so
@@ -82,7 +82,7 @@ def test_hub_dies_mid_download(hub, tmp_path, geglu_builds):
     snapshot = cache / f"kernels--{GEGLU_REPO.replace('/', '--')}" / "snapshots" / r1.commit
     assert cache_bad_blobs(cache, GEGLU_REPO) == []
     assert (snapshot / "build" / "torch-cpu" / "metadata.json").is_file()
-    assert not (snapshot / "build" / "torch-cpu" / "_triton.py").exists()
+    assert not (snapshot / "build" / "torch-cpu" / "pointwise/kernels.py").exists()
     assert not cache_complete(cache, GEGLU_REPO, r1.commit)
 
     hub.start(env={})  # back up: the same call now succeeds, on top of what the failed one left

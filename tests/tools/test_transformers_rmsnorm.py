@@ -102,8 +102,8 @@ def _mapping(build_dir, device):
 
 def _expected(name: str, count: int, backward: bool, layer: str = "GemmaRMSNorm") -> dict:
     if name == "cpu":  # eager autograd records the CPU implementation's ops: no backward of ours
-        return {"_rmsnorm.scaled_host_forward" if layer == SCALED else "_rmsnorm.cpu_forward": count}
-    return {"_rmsnorm_triton.forward": count, **({"_rmsnorm_triton.backward": count} if backward else {})}
+        return {"rmsnorm.ops.scaled_host_forward" if layer == SCALED else "rmsnorm.ops.cpu_forward": count}
+    return {"rmsnorm.kernels.forward": count, **({"rmsnorm.kernels.backward": count} if backward else {})}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -132,7 +132,7 @@ def test_every_supported_class_as_a_module(norm_impl, build_dir, monkeypatch, ro
     with use_kernel_mapping(_mapping(build_dir, device), inherit_mapping=False):
         kernelize(mod, mode=Mode.TRAINING, device=device)
     assert mod.forward.__func__.__qualname__ == f"{row.layer}.forward"
-    calls = Calls(mod.forward.__func__.__module__.rsplit(".", 1)[0], monkeypatch)
+    calls = Calls(mod.forward.__func__.__module__.split(".", 1)[0], monkeypatch)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
     y, y_ref = mod(xa), ref(xb)
     y.backward(dy)
@@ -202,7 +202,7 @@ def test_tiny_model_inference_and_training(norm_impl, build_dir, monkeypatch, fa
     layer = next(h.layer for h in SUPPORTED if h.name == norm_name)
     norms = [m for m in model.modules() if type(m).__name__ == norm_name]
     assert len(norms) == count and all(m.forward.__func__.__qualname__ == f"{layer}.forward" for m in norms)
-    calls = Calls(norms[0].forward.__func__.__module__.rsplit(".", 1)[0], monkeypatch)
+    calls = Calls(norms[0].forward.__func__.__module__.split(".", 1)[0], monkeypatch)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, 128, (2, 8), generator=g).to(device)
     labels = torch.randint(3, 128, (2, 8), generator=g).to(device)

@@ -164,7 +164,7 @@ class Calls:
 
     def __init__(self, kernel_module_name: str):
         self.namespace = kernel_module_name  # also the torch.ops namespace of its ops (docs/design.md)
-        self.cpu = importlib.import_module(kernel_module_name + "._cpu")
+        self.cpu = importlib.import_module(kernel_module_name + ".pointwise.cpu")
         self.fwd = self.bwd = 0
         fwd, bwd = self.cpu.geglu_fwd, self.cpu.geglu_bwd
 
@@ -188,19 +188,23 @@ class Calls:
 
 
 class PackedCalls:
-    """Counts calls of the packed kernel function (``geglu_packed``) made by the loaded kernel's hub layers: the
-    experts' gate calls it for a GELU (the dense MLP layers call ``gated``/``geglu``, so they do not count here).
-    Works on every device (Calls counts the CPU implementation only)."""
+    """Counts calls of the packed kernel function (``geglu_packed``) made by the loaded kernel's hub layers through
+    ``functional.gated_packed``: the experts' gate calls it for a GELU (the dense MLP layers call
+    ``gated_proj``/``geglu``, so they do not count here). Works on every device (Calls counts the CPU implementation
+    only). ``layers``: the loaded kernel's ``layers`` module."""
 
     def __init__(self, layers):
+        import sys
+
+        functional = sys.modules[layers.__name__.rpartition(".")[0] + ".functional"]
         self.n = 0
-        inner = layers.geglu_packed
+        inner = functional.geglu_packed
 
         def counted(*a, **k):
             self.n += 1
             return inner(*a, **k)
 
-        layers.geglu_packed = counted
+        functional.geglu_packed = counted
 
     def take(self) -> int:
         n, self.n = self.n, 0

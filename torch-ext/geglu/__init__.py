@@ -5,20 +5,23 @@ a CPU implementation with eager PyTorch's numerics. ``configure`` (or the ``GEGL
 which implementation runs and whether the MLP layer may use its fused kernels.
 """
 
-from . import _aot, _sharding, layers  # _sharding: DTensor sharding rules for the ops, where torch.distributed exists
-from ._backend import get_backend, set_backend
-from ._config import Config, configure, get_config
+from . import _sharding, layers  # _sharding: DTensor sharding rules for the ops, where torch.distributed exists
 from ._ops import HAS_CUDA_LIB, ops
-from .functional import geglu, geglu_backward, geglu_packed, gelu_and_mul, gelu_tanh_and_mul
-from ._rmsnorm import rms_norm
 from ._transformers import register_transformers, transformers_kernel_config
+from .functional import geglu, geglu_backward, geglu_packed, gelu_and_mul, gelu_tanh_and_mul
+from .rmsnorm.ops import rms_norm
+from .runtime import aot as _aot
+from .runtime.backend import get_backend, set_backend
+from .runtime.config import Config, configure, get_config
 
 prebuilt_kernels = _aot.info
 
 if HAS_CUDA_LIB:  # the compiled variant: import its Triton kernel modules (and Triton) and read the index of its
     # prebuilt kernels now, when the model loads, not in its first call
     try:
-        from . import _fused_mlp_triton, _rmsnorm_triton, _triton  # noqa: F401
+        from .mlp import kernels as _mlp_kernels  # noqa: F401
+        from .pointwise import kernels as _pointwise_kernels  # noqa: F401
+        from .rmsnorm import kernels as _rmsnorm_kernels  # noqa: F401
 
         _aot.preload()
     except ImportError:  # no Triton: the compiled library and PyTorch's ops serve every call

@@ -2,10 +2,9 @@
 
 The Gemma models compute ``cos, sin`` of ``position * inv_freq`` once per forward (their ``RotaryEmbedding``
 module) and every attention layer reads them. Compiled, Inductor inlines that pointwise computation into each
-consumer: every layer's q/k norm + RoPE kernel recomputes the positions' cos and sin for every head of every row.
-Measured on an H200 (Gemma 3 4B-shaped compiled prefill, 8 x 2048, 16 layers; ``benchmarks/rope_probe.py``): the
-two q/k norm + RoPE kernels take 5.65 ms of a 97.2 ms call, 7x what their traffic needs; with cos and sin from
-this op (a buffer Inductor reads) the same work takes 0.4 ms. The op computes the hosts' own formula with PyTorch's
+consumer: every layer's q/k norm + RoPE kernel recomputes the positions' cos and sin for every head of every row
+(docs/transformers.md gives the measurement); with cos and sin from this op, those kernels read a buffer. The op
+computes the hosts' own formula with PyTorch's
 ops, so its outputs are eager's bits (the compiled host's inlined cos and sin are Inductor's, not eager's).
 """
 
@@ -14,7 +13,7 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from . import _library
+from .runtime import library as _library
 
 
 @_library.op("rope_cos_sin")

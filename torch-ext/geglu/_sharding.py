@@ -45,7 +45,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import _custom_ops  # noqa: F401  (defines the ops this module registers rules for)
+from .pointwise import ops as _custom_ops  # noqa: F401  (defines the ops this module registers rules for)
 from ._ops import ops
 
 try:
@@ -162,7 +162,7 @@ def explicit(fn: Rule) -> Rule:
     return rule
 
 
-# op name -> rule. Arguments and outputs in the ops' schema order (_custom_ops.py).
+# op name -> rule. Arguments and outputs in the ops' schema order (pointwise/ops.py).
 RULES: Dict[str, Rule] = {
     # geglu(gate, up, approximate, inplace_backward) -> out
     "geglu": pointwise(2, 1, linear_in=1),

@@ -3,7 +3,7 @@ torch.compile(fullgraph=True), in eager mode and with autograd, on CUDA (compile
 
 Plain eager calls take a fast path straight to the implementation (the same code the ops run), skipping the
 dispatcher's Python round trips; with a gradient to record, through an autograd.Function with the ops' backward
-(``_backend.call_mode`` decides). It matters at decode and small-batch sizes, where a call is a few µs of GPU
+(``runtime.backend.call_mode`` decides). It matters at decode and small-batch sizes, where a call is a few µs of GPU
 time."""
 
 from typing import Optional
@@ -12,11 +12,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import _backend, _config
-from . import _custom_ops as _impl
-from . import _direct
-from ._activations import APPROXIMATIONS
-from ._checks import check_packed, check_split
+from .runtime import backend as _backend
+from .runtime import config as _config
+from .pointwise import ops as _impl
+from .runtime import direct as _direct
+from ._activations import APPROXIMATIONS, gelu_approximation
+from .runtime.checks import check_packed, check_split
 from ._ops import ops
 
 _grad_enabled = torch.is_grad_enabled
@@ -61,7 +62,7 @@ def geglu(gate: Tensor, up: Tensor, approximate: str = "none", *, out: Optional[
         if mode == _PLAIN:
             check_split(gate, up, approximate)
             res = _empty_like(gate, memory_format=_contiguous)
-            _impl._forward_into(res, gate, up, approximate, True)
+            _impl.forward_into(res, gate, up, approximate, True)
             return res
         if mode == _AUTOGRAD:
             check_split(gate, up, approximate)
@@ -73,7 +74,7 @@ def geglu(gate: Tensor, up: Tensor, approximate: str = "none", *, out: Optional[
         raise TypeError(f"geglu: out must be a torch.Tensor (or None), got {type(out).__name__}.")
     if _mode(gate, up, out) == _PLAIN:
         check_split(gate, up, approximate, out)
-        _impl._forward_into(out, gate, up, approximate)
+        _impl.forward_into(out, gate, up, approximate)
         return out
     _no_autograd_with_out(gate, up)
     ops.geglu_out.default(out, gate, up, approximate)
@@ -91,19 +92,19 @@ def geglu_packed(x: Tensor, approximate: str = "none", *, act_first: bool = True
     if out is not None:
         _no_autograd_with_out(x)
         check_packed(x, approximate, out)
-        gate, up = _impl._halves(x, act_first)
+        gate, up = _impl.packed_halves(x, act_first)
         return geglu(gate, up, approximate, out=out)
     mode = _mode(x)
     if mode == _PLAIN:
         d = check_packed(x, approximate)
         res = torch.empty(x.shape[:-1] + (d,), dtype=x.dtype, device=x.device)
-        gate, up = _impl._halves(x, act_first)
-        _impl._forward_into(res, gate, up, approximate, True)
+        gate, up = _impl.packed_halves(x, act_first)
+        _impl.forward_into(res, gate, up, approximate, True)
         return res
     if mode == _AUTOGRAD:
         if x.is_cuda and _backend.eager_autograd(x.numel() // 2):
             check_packed(x, approximate)
-            gate, up = _impl._halves(x, act_first)
+            gate, up = _impl.packed_halves(x, act_first)
             return F.gelu(gate, approximate=approximate) * up
         return _impl.eager_geglu_packed(x, approximate, act_first, inplace_backward)
     return ops.geglu_packed.default(x, approximate, act_first, inplace_backward)
@@ -117,6 +118,34 @@ def gelu_and_mul(out: Tensor, x: Tensor) -> Tensor:
 def gelu_tanh_and_mul(out: Tensor, x: Tensor) -> Tensor:
     """kernels-community/activation's ``gelu_tanh_and_mul(out, x)``: tanh GELU of the first half times the second."""
     return geglu_packed(x, "tanh", out=out)
+
+
+def gated_proj(act, gate: torch.Tensor, up_proj, x: torch.Tensor, inplace_backward: bool = True) -> torch.Tensor:
+    """``act(gate) * up_proj(x)``: the kernel when ``act`` is a GELU it computes, the host's own math otherwise and
+    under torch.compile (a constant branch there: no guard, no graph break), where Inductor fuses the GELU and the
+    product with their neighbours into one pointwise kernel, as fast as ours and without the opaque call between
+    them; the layers' fused MLP stays an op. Under torch.compile the activation comes before the up projection, as
+    the hosts write it, so that the traced graph is the host's op for op and Inductor schedules it as it does the
+    unkernelized model. The kernel's backward writes the gradients over ``gate`` and ``up_proj(x)`` (projection
+    outputs that nothing else reads) unless ``inplace_backward=False``."""
+    if torch.compiler.is_compiling():
+        activated = act(gate)
+        return activated * up_proj(x)
+    up = up_proj(x)
+    approximate = gelu_approximation(act)
+    if approximate is None:
+        return act(gate) * up
+    return geglu(gate, up, approximate, inplace_backward=inplace_backward)
+
+
+def gated_packed(act, x: torch.Tensor, act_first: bool, inplace_backward: bool = True) -> torch.Tensor:
+    """``act(a) * b`` (``act_first``) or ``a * act(b)`` of ``a, b = x.chunk(2, -1)``, like :func:`gated_proj` (the
+    backward writes its gradient over ``x`` unless ``inplace_backward=False``)."""
+    approximate = None if torch.compiler.is_compiling() else gelu_approximation(act)
+    if approximate is None:
+        a, b = x.chunk(2, dim=-1)
+        return act(a) * b if act_first else a * act(b)
+    return geglu_packed(x, approximate, act_first=act_first, inplace_backward=inplace_backward)
 
 
 def geglu_backward(grad: Tensor, gate: Tensor, up: Tensor, approximate: str = "none"):

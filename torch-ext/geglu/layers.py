@@ -10,43 +10,15 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import _experts, _mlp
 from ._activations import gelu_approximation
-from ._rmsnorm import host_forward as _gemma_norm_host, layer_forward as _gemma_norm
-from ._rmsnorm import scaled_host_forward as _scaled_norm_host, scaled_layer_forward as _scaled_norm
 from ._rope import rope_cos_sin as _rope_cos_sin
-from .functional import geglu, geglu_packed
+from .experts.layers import GeGLUExperts, GeGLUExpertsGate
+from .functional import gated_packed, gated_proj
+from .mlp import ops as _mlp
+from .rmsnorm.layers import Gemma3nRMSNorm, GemmaRMSNorm
 
 
 _is_compiling = torch.compiler.is_compiling
-
-
-def gated_proj(act, gate: torch.Tensor, up_proj, x: torch.Tensor, inplace_backward: bool = True) -> torch.Tensor:
-    """``act(gate) * up_proj(x)``: the kernel when ``act`` is a GELU it computes, the host's own math otherwise and
-    under torch.compile (a constant branch there: no guard, no graph break), where Inductor fuses the GELU and the
-    product with their neighbours into one pointwise kernel, as fast as ours and without the opaque call between
-    them; the layers' fused MLP stays an op. Under torch.compile the activation comes before the up projection, as
-    the hosts write it, so that the traced graph is the host's op for op and Inductor schedules it as it does the
-    unkernelized model. The kernel's backward writes the gradients over ``gate`` and ``up_proj(x)`` (projection
-    outputs that nothing else reads) unless ``inplace_backward=False``."""
-    if _is_compiling():
-        activated = act(gate)
-        return activated * up_proj(x)
-    up = up_proj(x)
-    approximate = gelu_approximation(act)
-    if approximate is None:
-        return act(gate) * up
-    return geglu(gate, up, approximate, inplace_backward=inplace_backward)
-
-
-def gated_packed(act, x: torch.Tensor, act_first: bool, inplace_backward: bool = True) -> torch.Tensor:
-    """``act(a) * b`` (``act_first``) or ``a * act(b)`` of ``a, b = x.chunk(2, -1)``, like :func:`gated_proj` (the
-    backward writes its gradient over ``x`` unless ``inplace_backward=False``)."""
-    approximate = None if _is_compiling() else gelu_approximation(act)
-    if approximate is None:
-        a, b = x.chunk(2, dim=-1)
-        return act(a) * b if act_first else a * act(b)
-    return geglu_packed(x, approximate, act_first=act_first, inplace_backward=inplace_backward)
 
 
 _GELU_ERF, _GELU_TANH = nn.GELU(), nn.GELU(approximate="tanh")
@@ -90,7 +62,7 @@ class GeGLUMLP(nn.Module):
 
     The GELU flavour (erf or tanh) comes from the host's ``act_fn``; an activation that is not a GELU runs the
     host's own computation. With plain bias-free ``nn.Linear`` projections the MLP runs as one computation
-    (``_mlp.geglu_mlp``): a training step is one autograd node with eager's output and gradients bit for bit and at
+    (``mlp.ops.geglu_mlp``): a training step is one autograd node with eager's output and gradients bit for bit and at
     most three [M, H] activation buffers in its backward (eager: four); inference at prefill sizes takes the fused
     gate/up GEMM (the GeGLU in its epilogue: more accurate than eager, not its bits) where it measures faster on the
     device (setting ``fused_mlp``, ``GEGLU_FUSED_MLP=0`` turns it off). Under torch.compile inference is a custom op
@@ -296,115 +268,7 @@ class CpmAntGeGLU(nn.Module):
 
 
 
-# --- MoE experts: transformers' @use_experts_implementation classes (Gemma 4, DiffusionGemma). The host side
-# (kerneltools.transformers_kernels) routes the experts' _apply_gate through a function layer, GeGLUExpertsGate,
-# and puts GeGLUExperts on the experts class for the eager implementation.
-
-
-class GeGLUExpertsGate(nn.Module):
-    """Replaces the experts' gate function ``experts_gate(act_fn, gate_up)``: ``act_fn(gate) * up`` of
-    ``gate, up = gate_up.chunk(2, -1)``, the step between the two grouped GEMMs of transformers' grouped_mm and
-    batched_mm experts implementations (their ``_apply_gate``). A GELU ``act_fn`` runs the packed kernel on the
-    GEMM's output in place of the chunk, GELU and product (bit-exact with them on the GPU); any other activation
-    runs the host's own math. The backward writes its gradient over ``gate_up``, which nothing else reads."""
-
-    can_torch_compile = True
-    has_backward = True
-
-    def forward(self, act_fn, gate_up: torch.Tensor) -> torch.Tensor:
-        return gated_packed(act_fn, gate_up, act_first=True)
-
-
-def _experts_gate(act_fn, gate_up: torch.Tensor) -> torch.Tensor:
-    return gated_packed(act_fn, gate_up, act_first=True)
-
-
-class GeGLUExperts(nn.Module):
-    """Replaces the forward of a transformers experts class (``Gemma4TextExperts``, ``DiffusionGemmaTextExperts``)
-    and keeps transformers' dispatch: with ``config._experts_implementation`` "eager" (or unset) it runs the eager
-    per-expert loop with the packed kernel as the gate (the host inlines ``act_fn(gate) * up`` there, out of reach
-    of ``_apply_gate``); with any other implementation it calls the class's own forward, which dispatches to the
-    configured one (whose gate is :class:`GeGLUExpertsGate`). In inference at prefill sizes under the ``fused_mlp``
-    setting, grouped_mm's block takes the fused gate/up grouped GEMM (the GeGLU in its epilogue) where the shipped
-    rule says it is faster (``_experts.fused_forward``)."""
-
-    can_torch_compile = True
-    has_backward = True
-
-    gate_up_proj: nn.Parameter
-    down_proj: nn.Parameter
-    num_experts: int
-    act_fn: nn.Module
-    config: object
-
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
-        if _experts.runs_eager(self):
-            return _experts.eager_forward(self, _experts_gate, hidden_states, top_k_index, top_k_weights)
-        if not _is_compiling():
-            y = _experts.fused_forward(self, hidden_states, top_k_index, top_k_weights,
-                                       gelu_approximation(self.act_fn))
-            if y is not None:
-                return y
-        return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
-
-
-
-
-# --- Gemma's RMSNorm -------------------------------------------------------------------------------------------
-
-
-def _norm_eps(module) -> float:
-    """The host norm's epsilon: ``eps`` (transformers 5.22 everywhere; GemmaRMSNorm's family in 5.25) or
-    ``variance_epsilon`` (Gemma3nRMSNorm's family from transformers 5.25)."""
-    eps = getattr(module, "eps", None)
-    return module.variance_epsilon if eps is None else eps
-
-
-class GemmaRMSNorm(nn.Module):
-    """Replaces transformers' ``GemmaRMSNorm`` and the classes with its forward (Gemma 2, Gemma 3, T5Gemma, ...):
-    ``(x.float() * rsqrt(mean(x.float()^2, -1) + eps) * (1.0 + weight.float())).type_as(x)``, one fused kernel
-    forward and one backward (dx and a deterministic dw) on CUDA, the host's own ops on CPU.
-
-    Shapes: x ``[..., D]`` (q_norm / k_norm rows of head_dim included), weight ``[D]``; output like x.
-
-    Under torch.compile the layer runs the host's own math (a constant branch: no guard, no graph break), so that
-    Inductor fuses the norm with its neighbours (residual adds, casts) as it does for the unkernelized model; the
-    opaque op would keep them apart. Tensor subclasses (DTensor) and functorch transforms also get the host's math.
-    """
-
-    can_torch_compile = True
-    has_backward = True
-
-    weight: torch.Tensor
-    eps: float
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        eps = _norm_eps(self)
-        if _is_compiling():
-            return _gemma_norm_host(x, self.weight, eps)
-        return _gemma_norm(x, self.weight, eps)
-
-
-class Gemma3nRMSNorm(nn.Module):
-    """Replaces transformers' ``Gemma3nRMSNorm`` and the classes with its forward (Gemma 4, Gemma 4 unified,
-    EmbeddingGemma 2, DiffusionGemma, NeoMME): ``(x.float() * pow(mean(x.float()^2, -1) + eps, -0.5) * weight.float())
-    .type_as(x)``, the scale being the weight itself, and no scale at all when ``with_scale`` is False (v_norm, the
-    router's norm). On CUDA the fused kernels (as :class:`GemmaRMSNorm`'s, with offset 0); on CPU and under
-    torch.compile the host's own math."""
-
-    can_torch_compile = True
-    has_backward = True
-
-    eps: float  # or variance_epsilon (transformers >= 5.25)
-    with_scale: bool
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight if self.with_scale else None
-        eps = _norm_eps(self)
-        if _is_compiling():
-            return _scaled_norm_host(x, weight, eps)
-        return _scaled_norm(x, weight, eps)
+# MoE experts and Gemma's RMSNorm: their layers live with the features (experts.layers, rmsnorm.layers)
 
 
 def _rotary(module, x: torch.Tensor, position_ids: torch.Tensor, prefix: str):

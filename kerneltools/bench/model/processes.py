@@ -23,7 +23,7 @@ def run_processes(args, log=print) -> dict:
     so that the modes take turns compiling first (and runs made apart, one per device call with offsets N apart,
     can be pooled with ``--pool``); then :func:`pool`. A host-bound compiled model's ratio moves with the process's
     state (T5 v1.1 base's compiled prefill: 0.968, 1.056 and 1.006 of compile in three processes on an H200,
-    docs/development.md), so that one process is one sample. Each process's own report stays in
+    benchmarks/results/development-notes.md), so that one process is one sample. Each process's own report stays in
     ``OUT/process-i``; the graph count, the profile and the call cost run in the first process only."""
     import multiprocessing
     import tempfile

@@ -5,7 +5,7 @@ from typing import Optional
 
 import torch
 
-from ._activations import APPROXIMATIONS
+from .._activations import APPROXIMATIONS
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

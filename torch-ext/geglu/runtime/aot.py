@@ -3,7 +3,7 @@ through the CUDA driver without Triton's JIT.
 
 The build (``kerneltools.build.aot``) compiles every launch the package's plans can make (kernel, constexprs, warps,
 stages, argument types and which arguments are 16-byte aligned / divisible by 16) with ``triton.compile`` for each
-declared ``sm_XY`` and writes them beside this file (the variant stays one flat folder)::
+declared ``sm_XY`` and writes them in the variant's root folder::
 
     _prebuilt_sm90.json     the index: one entry per compiled kernel (its launch key, entry name, shared memory,
                             parameter list, TMA descriptor layouts, offset and size in the .cubin file)
@@ -12,8 +12,8 @@ declared ``sm_XY`` and writes them beside this file (the variant stays one flat 
 Which binaries a device runs (:func:`serving_arch`): those built for its exact capability; else, for an sm_8x
 GPU, those of the highest shipped sm_8y with y <= x (NVIDIA's binary compatibility: an sm_80 / sm_86 cubin runs on
 later minors of major 8); else none. From sm_90 up the cubins target the arch-specific ``sm_90a`` / ``sm_100a`` /
-``sm_120a`` (wgmma, TMA), which run on that one architecture only: sm_103 (B300) and sm_121 (DGX Spark) get none,
-nor does sm_75 (T4).
+``sm_120a`` (wgmma, TMA), which run on that one architecture only: sm_103 and sm_121 get none, nor does sm_75
+(docs/prebuilt.md names the products of each family).
 
 At run time :func:`find` finds the entry for a launch on the device's architecture and launches it with
 ``cuLaunchKernel`` (``libcuda``, which torch has already loaded); TMA descriptors are encoded with
@@ -35,9 +35,9 @@ import zlib
 
 import torch
 
-from . import _config
+from . import config as _config
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package's root folder
 PREFIX = "_prebuilt_sm"
 TYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
               torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8"}
@@ -136,10 +136,9 @@ def serving_arch(capability: int, shipped) -> "int | None":
     return max(same_major) if same_major else None
 
 
-# The GPU families the docs' table lists: capability -> examples (what prebuilt_kernels() reports per family)
-FAMILIES = {75: "T4, RTX 20", 80: "A100, A30", 86: "A10, A40, RTX 30", 87: "Jetson Orin", 89: "L4, L40S, RTX 40",
-            90: "H100, H200, GH200", 100: "B200, GB200", 103: "B300, GB300", 110: "Jetson Thor",
-            120: "RTX 50, RTX PRO 6000", 121: "DGX Spark"}
+# The GPU families of the docs' table (docs/prebuilt.md names their products), by compute capability XY: what
+# prebuilt_kernels() reports on
+FAMILIES = (75, 80, 86, 87, 89, 90, 100, 103, 110, 120, 121)
 
 
 def preload() -> None:
@@ -153,8 +152,8 @@ def info() -> dict:
     ...}, 'targets': {80: 'sm_80', ..., 90: 'sm_90a', ...}, 'ptxas': '12.9', 'triton': '3.9.0', 'gpus': {...},
     'refused': {}}``: the compute capabilities as XY, the kernels and the ptxas target per architecture, the CUDA
     release of the ptxas and the Triton that compiled them; ``gpus`` maps each GPU family's capability (75, 80, 86,
-    87, 89, 90, 100, 103, 110, 120, 121) to ``{'examples': ..., 'runs': 'sm_86'}`` (the binaries it runs) or
-    ``'runs': 'jit'`` (Triton compiles on it); ``refused`` lists the devices whose driver refused the binaries
+    87, 89, 90, 100, 103, 110, 120, 121) to ``{'runs': 'sm_86'}`` (the binaries it runs) or ``{'runs': 'jit'}``
+    (Triton compiles on it); ``refused`` lists the devices whose driver refused the binaries
     (index -> the error), which run the JIT. No architectures in a variant without prebuilt kernels (there every
     Triton kernel is compiled by the JIT at first use)."""
     out = {"architectures": architectures(), "kernels": {}, "targets": {}, "ptxas": None, "triton": None}
@@ -166,9 +165,9 @@ def info() -> dict:
         out["ptxas"] = manifest.get("ptxas")
         out["triton"] = manifest.get("triton")
     gpus = {}
-    for cap, examples in FAMILIES.items():
+    for cap in FAMILIES:
         arch = serving_arch(cap, out["architectures"])
-        gpus[cap] = {"examples": examples, "runs": "jit" if arch is None else f"sm_{arch}"}
+        gpus[cap] = {"runs": "jit" if arch is None else f"sm_{arch}"}
     out["gpus"] = gpus
     out["refused"] = dict(_refused)
     return out
@@ -181,6 +180,13 @@ _arch_of = {}  # device index -> sm number (None: no prebuilt kernels there)
 _loaded = {}  # (entry id, device) -> CUfunction
 _launchers = {}  # (entry id, device) -> run
 _refused = {}  # device index -> why its driver refused a prebuilt binary (the JIT runs there)
+
+
+def clear_caches() -> None:
+    """Forget the indexes read, the modules loaded and the devices' architectures (benchmarks that point ``HERE``
+    at another build's binaries call it, with ``launch.clear_caches()``)."""
+    for cache in (_indexes, _arch_of, _loaded, _launchers):
+        cache.clear()
 
 
 class _Refused(Exception):
@@ -392,3 +398,8 @@ def _launcher(entry: dict, function: int):
 
 
 __all__ = ["Desc", "find", "info", "architectures", "serving_arch", "arg_type", "arg_hint", "key"]
+
+
+def desc_arg(name: str, dtype: str, block) -> tuple:
+    """A TMA tensor-descriptor argument of a ``prebuild_launches()`` entry (never hinted)."""
+    return (name, f"tensordesc<{dtype}[{', '.join(map(str, block))}]>", False)

@@ -3,8 +3,8 @@ geglu/geglu_kernels.cu) called through ctypes.
 
 At decode sizes a GeGLU call is host-bound: the kernel takes a few µs of GPU time, about what a boxed call through
 the dispatcher to the stable-ABI op costs the host. This path launches the same kernels with the same arguments,
-skipping the dispatcher. Callers validate the tensors first, exactly as for the ops (``_checks``); the op stays the
-path under torch.compile, for tensor subclasses and wherever this module is unavailable (no compiled library in this
+skipping the dispatcher. Callers validate the tensors first, exactly as for the ops (``runtime.checks``); the op
+stays the path under torch.compile, for tensor subclasses and wherever this module is unavailable (no compiled library in this
 variant, or a library without the entry points).
 """
 
@@ -15,8 +15,9 @@ import os
 import torch
 from torch import Tensor
 
-from . import _backend, _config
-from ._ops import HAS_CUDA_LIB
+from . import backend as _backend
+from . import config as _config
+from .._ops import HAS_CUDA_LIB
 
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _ELEMENT_SIZE = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
@@ -29,7 +30,7 @@ def _find_entry_points():
     copy), if it exports the C entry points: (fwd, bwd, error string, plan setter or None)."""
     if not HAS_CUDA_LIB or not hasattr(os, "RTLD_NOLOAD"):
         return None
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package's root folder
     for path in sorted(glob.glob(os.path.join(here, "*.so"))):
         try:
             lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)

@@ -1,6 +1,6 @@
 """Which implementation runs a call, and through which path.
 
-Implementations (``impl_for``), by the ``backend`` setting (``_config``):
+Implementations (``impl_for``), by the ``backend`` setting (``runtime.config``):
 
 * ``auto`` (default): CUDA tensors use the Triton kernels, except problems under ``CUDA_LIB_BELOW`` elements, which
   use the compiled library when this build variant has it (its launch costs the host less: decode sizes);
@@ -16,8 +16,8 @@ subclasses (fake, functional, DTensor, ...) take the ``torch.library`` op (``OP`
 import torch
 from torch import Tensor
 
-from . import _config
-from ._ops import HAS_CUDA_LIB
+from . import config as _config
+from .._ops import HAS_CUDA_LIB
 
 BACKENDS = _config.BACKENDS
 CUDA_LIB_BELOW = 1 << 21
@@ -91,3 +91,28 @@ def impl_for(device_type: str, numel: int) -> str:
     raise NotImplementedError(
         f"geglu: tensors on {device_type!r} are not supported; expected CUDA or CPU tensors."
     )
+
+
+# --- shipped rules -------------------------------------------------------------------------------------------------
+
+_CAPABILITY: dict = {}
+
+
+def capability_major(device: torch.device) -> int:
+    """The compute capability major of a CUDA device (cached per device index)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    cap = _CAPABILITY.get(idx)
+    if cap is None:
+        cap = _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)[0]
+    return cap
+
+
+def shipped_rule(rules: dict, device: torch.device, **measures) -> bool:
+    """Whether a call meets a rule shipped with the package, decided from its shape alone (nothing is timed at run
+    time): ``rules`` maps a compute capability major to the least value of each measure, e.g.
+    ``{9: {"min_m": 1024}}`` with ``min_m=M``. False on an architecture the rules do not list; True on CPU tensors
+    (the Triton interpreter, tests)."""
+    if device.type != "cuda":
+        return True
+    rule = rules.get(capability_major(device))
+    return rule is not None and all(value >= rule[name] for name, value in measures.items())

@@ -1,16 +1,18 @@
 """torch.library custom ops (namespace from `_ops.add_op_namespace_prefix`), each with a fake implementation and,
 for the functional forms, autograd; so `torch.compile(fullgraph=True)` sees them as opaque ops and
 `torch.library.opcheck` passes. The real implementations pick the compiled CUDA library, Triton or the CPU
-implementation per call (see `_backend`)."""
+implementation per call (see `runtime.backend`)."""
 
 from typing import Tuple
 
 import torch
 from torch import Tensor
 
-from . import _backend, _cpu, _direct
-from ._checks import check_backward, check_packed, check_split, is_tanh
-from ._ops import add_op_namespace_prefix, ops
+from ..runtime import backend as _backend
+from . import cpu as _cpu
+from ..runtime import direct as _direct
+from ..runtime.checks import check_backward, check_packed, check_split, is_tanh
+from .._ops import add_op_namespace_prefix, ops
 
 _triton_mod = None
 
@@ -18,7 +20,7 @@ _triton_mod = None
 def _triton():
     global _triton_mod
     if _triton_mod is None:
-        from . import _triton as mod
+        from . import kernels as mod
 
         _triton_mod = mod
     return _triton_mod
@@ -77,16 +79,15 @@ def _check_triton_device(t: Tensor) -> None:
         )
 
 
-def _halves(x: Tensor, act_first: bool) -> Tuple[Tensor, Tensor]:
+def packed_halves(x: Tensor, act_first: bool) -> Tuple[Tensor, Tensor]:
     """(gate, up) of a packed ``x[..., 2d]``: views split as the hosts split it (``chunk``), so that where autograd
     records them the backward is one SplitBackward node concatenating the two gradients; two slices would each
-    scatter into a zero-filled [..., 2d] gradient and add them (ModernBERT base's eager training step took 1.9 ms
-    more GPU time on an H200 at e53f5fb)."""
+    scatter into a zero-filled [..., 2d] gradient and add them (more GPU time: copies and fills)."""
     a, b = x.chunk(2, dim=-1)
     return (a, b) if act_first else (b, a)
 
 
-def _forward_into(out: Tensor, gate: Tensor, up: Tensor, approximate: str, fresh_out: bool = False) -> None:
+def forward_into(out: Tensor, gate: Tensor, up: Tensor, approximate: str, fresh_out: bool = False) -> None:
     """``fresh_out``: the caller allocated ``out`` (so it overlaps no input)."""
     if out.numel() == 0:
         return
@@ -107,7 +108,7 @@ def _forward_into(out: Tensor, gate: Tensor, up: Tensor, approximate: str, fresh
         out.copy_(tmp.view(out.shape))
 
 
-def _backward_into(d_gate: Tensor, d_up: Tensor, grad: Tensor, gate: Tensor, up: Tensor, approximate: str) -> None:
+def backward_into(d_gate: Tensor, d_up: Tensor, grad: Tensor, gate: Tensor, up: Tensor, approximate: str) -> None:
     """d_gate/d_up are tensors we allocated (or gate/up themselves, or halves of a packed gradient or input):
     always viewable as rows."""
     if gate.numel() == 0:
@@ -133,7 +134,7 @@ def _viewable(t: Tensor, d: int) -> bool:
 def geglu(gate: Tensor, up: Tensor, approximate: str, inplace_backward: bool) -> Tensor:
     check_split(gate, up, approximate)
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    _forward_into(out, gate, up, approximate, True)
+    forward_into(out, gate, up, approximate, True)
     return out
 
 
@@ -147,8 +148,8 @@ def _(gate, up, approximate, inplace_backward):
 def geglu_packed(x: Tensor, approximate: str, act_first: bool, inplace_backward: bool) -> Tensor:
     d = check_packed(x, approximate)
     out = torch.empty(x.shape[:-1] + (d,), dtype=x.dtype, device=x.device)
-    gate, up = _halves(x, act_first)
-    _forward_into(out, gate, up, approximate, True)
+    gate, up = packed_halves(x, act_first)
+    forward_into(out, gate, up, approximate, True)
     return out
 
 
@@ -161,7 +162,7 @@ def _(x, approximate, act_first, inplace_backward):
 @torch.library.custom_op(add_op_namespace_prefix("geglu_out"), mutates_args=("out",))
 def geglu_out(out: Tensor, gate: Tensor, up: Tensor, approximate: str) -> None:
     check_split(gate, up, approximate, out)
-    _forward_into(out, gate, up, approximate)
+    forward_into(out, gate, up, approximate)
 
 
 @geglu_out.register_fake
@@ -176,7 +177,7 @@ def backward_new(grad: Tensor, gate: Tensor, up: Tensor, approximate: str) -> Tu
     check_backward(grad, gate, up, approximate)
     d_gate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     d_up = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    _backward_into(d_gate, d_up, grad, gate, up, approximate)
+    backward_into(d_gate, d_up, grad, gate, up, approximate)
     return d_gate, d_up
 
 
@@ -185,26 +186,26 @@ def backward_inplace(grad: Tensor, gate: Tensor, up: Tensor, approximate: str) -
     d = gate.shape[-1]
     if not (_viewable(gate, d) and _viewable(up, d)):
         raise ValueError("geglu: in-place backward needs gate and up whose leading dims flatten to rows without a copy.")
-    _backward_into(gate, up, grad, gate, up, approximate)
+    backward_into(gate, up, grad, gate, up, approximate)
 
 
 def packed_backward_new(grad: Tensor, x: Tensor, approximate: str, act_first: bool) -> Tensor:
     check_packed(x, approximate)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    gate, up = _halves(x, act_first)
-    d_gate, d_up = _halves(dx, act_first)
+    gate, up = packed_halves(x, act_first)
+    d_gate, d_up = packed_halves(dx, act_first)
     check_backward(grad, gate, up, approximate)
-    _backward_into(d_gate, d_up, grad, gate, up, approximate)
+    backward_into(d_gate, d_up, grad, gate, up, approximate)
     return dx
 
 
 def packed_backward_inplace(grad: Tensor, x: Tensor, approximate: str, act_first: bool) -> None:
     d = check_packed(x, approximate)
-    gate, up = _halves(x, act_first)
+    gate, up = packed_halves(x, act_first)
     check_backward(grad, gate, up, approximate)
     if not _viewable(gate, d):
         raise ValueError("geglu: in-place backward needs an x whose leading dims flatten to rows without a copy.")
-    _backward_into(gate, up, grad, gate, up, approximate)
+    backward_into(gate, up, grad, gate, up, approximate)
 
 
 @torch.library.custom_op(add_op_namespace_prefix("geglu_backward"), mutates_args=())
@@ -238,7 +239,7 @@ def geglu_packed_backward(grad: Tensor, x: Tensor, approximate: str, act_first: 
 @geglu_packed_backward.register_fake
 def _(grad, x, approximate, act_first):
     check_packed(x, approximate)
-    gate, up = _halves(x, act_first)
+    gate, up = packed_halves(x, act_first)
     check_backward(grad, gate, up, approximate)
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
@@ -252,7 +253,7 @@ def geglu_packed_backward_(grad: Tensor, x: Tensor, approximate: str, act_first:
 @geglu_packed_backward_.register_fake
 def _(grad, x, approximate, act_first):
     check_packed(x, approximate)
-    gate, up = _halves(x, act_first)
+    gate, up = packed_halves(x, act_first)
     check_backward(grad, gate, up, approximate)
 
 
@@ -330,7 +331,7 @@ class EagerGeGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, approximate, inplace_backward):
         out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-        _forward_into(out, gate, up, approximate, True)
+        forward_into(out, gate, up, approximate, True)
         ctx.save_for_backward(gate, up)
         ctx.approximate = approximate
         ctx.inplace_backward = inplace_backward
@@ -357,8 +358,8 @@ class EagerGeGLUPacked(torch.autograd.Function):
     def forward(ctx, x, approximate, act_first, inplace_backward):
         d = check_packed(x, approximate)
         out = torch.empty(x.shape[:-1] + (d,), dtype=x.dtype, device=x.device)
-        gate, up = _halves(x, act_first)
-        _forward_into(out, gate, up, approximate, True)
+        gate, up = packed_halves(x, act_first)
+        forward_into(out, gate, up, approximate, True)
         ctx.save_for_backward(x)
         ctx.approximate = approximate
         ctx.act_first = act_first

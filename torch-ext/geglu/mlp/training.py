@@ -1,19 +1,8 @@
-"""``GeGLUMLP``'s computation, ``y = down(gelu(x @ Wg^T, approximate) * (x @ Wu^T))``, in every mode.
+"""``GeGLUMLP``'s training step: one autograd node in eager mode (:class:`GeGLUMLPFunction`) and, for torch.compile,
+tracing and tensor subclasses, the operators ``geglu_mlp_train`` / ``geglu_mlp_train_backward`` (the node's
+computation) and ``geglu_mlp_train_fused`` / ``geglu_mlp_train_fused_backward`` (the ``fused_training`` setting).
 
-:func:`geglu_mlp` is the one entry point (the layer calls it for plain bias-free projections):
-
-* **Eager inference** (no gradient): ``F.linear`` for the projections and our pointwise kernel, eager's bits; with
-  the ``fused_mlp`` setting (default), fp16/bf16 CUDA inputs of more than ``DECODE_MAX_M`` rows take the fused gate/up
-  GEMM (the GeGLU in its epilogue, ``_fused_mlp_triton``) where the shipped rule for the GPU's architecture says it is
-  faster (``fused_rule``: rows and width, measured ahead of time; nothing is timed at run time).
-* **Eager training**: one autograd node, :class:`GeGLUMLPFunction` (below). Small CUDA steps (under
-  ``_backend.NODE_EAGER_BELOW`` [M, H] elements) are host-bound and run PyTorch's own ops with the host's
-  activation instead: a Python node costs the host more than eager's C++ nodes.
-* **torch.compile, tracing, tensor subclasses**: the custom ops ``geglu_mlp`` (inference) and ``geglu_mlp_train`` /
-  ``geglu_mlp_train_backward`` (training), with fake implementations. Every shape-dependent choice above (decode
-  size, fused or not) is made inside the ops when they run, so the traced graph has no shape guards of its own.
-
-The training node:
+The node:
 
 * **Same bits as eager.** The forward calls ``torch.mm`` exactly as ``F.linear`` does (2-D rows, ``W.t()``), the
   GeGLU kernel equals ``F.gelu(g) * u`` bit for bit, and the backward makes the GEMM calls autograd's ``MmBackward``
@@ -39,185 +28,24 @@ d_g, d_u to a new buffer (an op that wrote over its saved input would make Induc
 from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from . import _backend, _config, _direct, _library
-from . import _custom_ops as _pw
-from ._checks import check_approximate, is_tanh
-
-# M <= DECODE_MAX_M rows: cuBLAS + the pointwise kernel (the fused kernel's smallest tile is 64 rows, and decode is
-# bound by reading the weights, which both paths do once).
-DECODE_MAX_M = 64
-_LOW = (torch.float16, torch.bfloat16)
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-_kernels_mod = None
-
-
-def _kernels():
-    """The fused gate/up GEMM's module (imports triton: only when a fused kernel may run)."""
-    global _kernels_mod
-    if _kernels_mod is None:
-        from . import _fused_mlp_triton as mod
-
-        _kernels_mod = mod
-    return _kernels_mod
-
-
-def _gluon_backward(dev: torch.device):
-    """The Gluon backward kernel's module where it runs (sm_90 and a Triton with Gluon), else None."""
-    if dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] != 9:
-        return None
-    try:
-        from . import _gluon_bwd
-    except ImportError:  # a Triton without Gluon
-        return None
-    return _gluon_bwd
-
-
-def fused_kernel_applies(x2: Tensor) -> bool:
-    """Whether the fused gate/up kernel can take these 2-D rows: fp16/bf16 and more than ``DECODE_MAX_M`` rows, on a
-    CUDA device (TMA descriptors where the device and strides allow, pointer loads otherwise), or (tests) CPU
-    tensors under the Triton interpreter with the backend set to 'triton'."""
-    if x2.dtype not in _LOW or x2.shape[0] <= DECODE_MAX_M:
-        return False
-    dev = x2.device.type
-    if dev != "cuda" and (dev != "cpu" or _config.current.backend != "triton"):
-        return False
-    try:
-        kt = _kernels()
-    except ImportError:  # no triton
-        return False
-    return dev == "cuda" or kt.INTERPRET
-
-
-# --- the entry point ---------------------------------------------------------------------------------------------
-
-
-def geglu_mlp(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, approximate: str, act=None) -> Tensor:
-    """``F.linear(gelu(F.linear(x, w_gate), approximate) * F.linear(x, w_up), w_down)`` (see the module docstring
-    for which path runs). x [..., D]; w_gate, w_up [H, D]; w_down [D_out, H] (nn.Linear weights, no bias); one
-    dtype and device. ``act``, the host's activation module, runs in the small eager training steps that take
-    PyTorch's own ops (None: ``F.gelu``)."""
-    mode = _backend.call_mode(x, w_gate, w_up, w_down)
-    if mode == _backend.PLAIN:
-        return inference(x, w_gate, w_up, w_down, approximate)
-    if mode == _backend.AUTOGRAD:
-        if not host_bound(x, w_gate) and node_applies(x, w_gate, w_up, w_down):
-            return _apply(x, w_gate, w_up, w_down, approximate)
-        return _host(x, w_gate, w_up, w_down, approximate, act)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w_gate, w_up, w_down)):
-        if traced_fused_training(x):
-            return geglu_mlp_train_fused(x, w_gate, w_up, w_down, approximate)[0]
-        if torch.compiler.is_compiling():
-            # A compiled training step gets the host's ops, which Inductor compiles as it compiles the unkernelized
-            # model: measured on an H200 (docs/fused-mlp.md), the training op's GEMMs cost the step more GPU time
-            # than its GeGLU kernels save against Inductor's fused pointwise pass.
-            return _host(x, w_gate, w_up, w_down, approximate, act)
-        return geglu_mlp_train(x, w_gate, w_up, w_down, approximate)[0]
-    return geglu_mlp_op(x, w_gate, w_up, w_down, approximate)
-
-
-def _host(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, approximate: str, act=None) -> Tensor:
-    """The hosts' MLP op for op: ``down(act(gate(x)) * up(x))``, the activation before the up projection."""
-    gate = F.linear(x, w_gate)
-    h = (act(gate) if act is not None else F.gelu(gate, approximate=approximate)) * F.linear(x, w_up)
-    return F.linear(h, w_down)
-
-
-# --- inference -----------------------------------------------------------------------------------------------------
-
-
-_lean_fwd = _direct.lean_fwd if _direct.AVAILABLE else None
-
-
-def regular(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, approximate: str) -> Tensor:
-    """The bit-exact inference path: eager's GEMMs and our pointwise kernel (at decode sizes through the compiled
-    library's C entry, as ``functional.geglu`` calls it: the same kernel for a few µs less host time; the op's
-    dispatch otherwise)."""
-    g, u = F.linear(x, w_gate), F.linear(x, w_up)
-    h = _lean_fwd(g, u, approximate) if _lean_fwd is not None else None
-    if h is None:
-        h = torch.empty(g.shape, dtype=g.dtype, device=g.device)
-        _pw._forward_into(h, g, u, approximate, True)
-    return F.linear(h, w_down)
-
-
-def inference(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, approximate: str) -> Tensor:
-    """The MLP forward without a gradient: the fused gate/up GEMM where the ``fused_mlp`` setting allows it and
-    :func:`fused_rule` says it is faster for this shape on this device, else :func:`regular`."""
-    y = _fused_inference(x, w_gate, w_up, w_down, approximate) if _config.current.fused_mlp else None
-    return y if y is not None else regular(x, w_gate, w_up, w_down, approximate)
-
-
-# Where the fused gate/up GEMM beats cuBLAS + the pointwise kernel, decided from the shape alone (nothing is timed
-# at run time): per compute capability major, the fewest rows, and the least GEMM work (M * D * H) at which it
-# runs. Measured by `python -m kerneltools.bench.fused_rule` (docs/fused-mlp.md, "The shipped rule"): on the GPU
-# the fused path is faster from 1024 rows at every width of the supported models (below that the wide ones lose);
-# launched from Python it costs the host about 90 us more than the regular path, which a call of less work than
-# min_work (~0.1 ms of GEMM) does not hide.
-FUSED_RULES = {9: dict(min_m=1024, min_work=12e9)}
-
-
-def fused_rule(M: int, D: int, H: int, device: torch.device) -> bool:
-    """Whether the fused path runs for M rows of an MLP [D -> H]: the shipped rule for the device's architecture
-    (False on one it has none for); on CPU tensors (the Triton interpreter, tests) always."""
-    if device.type != "cuda":
-        return True
-    rule = FUSED_RULES.get(_capability(device))
-    return rule is not None and M >= rule["min_m"] and M * D * H >= rule["min_work"]
-
-
-_CAPABILITY: dict = {}
-
-
-def _capability(device: torch.device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    cap = _CAPABILITY.get(idx)
-    if cap is None:
-        cap = _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)[0]
-    return cap
-
-
-def _fused_inference(x, w_gate, w_up, w_down, approximate) -> Optional[Tensor]:
-    D = x.shape[-1]
-    if x.dim() < 2 or x.numel() <= DECODE_MAX_M * D:
-        return None  # decode sizes return here, before any other check: they are host-bound
-    H = w_gate.shape[0]
-    if not (w_gate.shape == w_up.shape == (H, D) and w_down.dim() == 2 and w_down.shape[1] == H
-            and x.dtype == w_gate.dtype == w_up.dtype == w_down.dtype):
-        return None
-    x2 = x.reshape(-1, D)
-    if not fused_kernel_applies(x2) or not fused_rule(x2.shape[0], D, H, x.device):
-        return None
-    return _fused_forward(x2, w_gate, w_up, w_down, approximate).view(x.shape[:-1] + (w_down.shape[0],))
-
-
-def _fused_forward(x2: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, approximate: str) -> Tensor:
-    kt = _kernels()
-    M, D = x2.shape
-    # the inference tile (fast epilogue) for this shape, unless a smaller one already replaced it on this device
-    kt.TUNED.setdefault((kt.m_bucket(M), D, w_gate.shape[0], x2.dtype, False), kt.inference_config(M))
-    h, _ = kt.gate_up_geglu(x2.contiguous(), _unit_last(w_gate), _unit_last(w_up), is_tanh(approximate), False)
-    return torch.mm(h, w_down.t())
-
-
-def _unit_last(w: Tensor) -> Tensor:
-    return w if w.stride(-1) == 1 else w.contiguous()
-
-
-# --- training: one autograd node (eager mode) ------------------------------------------------------------------
-
+from ..pointwise import ops as _pw
+from ..runtime import backend as _backend
+from ..runtime import config as _config
+from ..runtime import library as _library
+from ..runtime.checks import is_tanh
+from .inference import _FLOATS, _LOW, _check, _gluon_backward, _kernels, _rows, _unit_last, fused_kernel_applies
 
 def host_bound(x: Tensor, w_gate: Tensor) -> bool:
-    """A small CUDA step under the 'auto' backend (fewer than ``_backend.NODE_EAGER_BELOW`` [M, H] elements):
+    """A small CUDA step under the 'auto' backend (fewer than ``runtime.backend.NODE_EAGER_BELOW`` [M, H] elements):
     host-bound, and a Python autograd node costs the host more than eager's C++ ones."""
     return x.is_cuda and _backend.eager_autograd(x.numel() // max(x.shape[-1], 1) * w_gate.shape[0],
                                                  _backend.NODE_EAGER_BELOW)
 
 
 def node_applies(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> bool:
-    """For a plain eager call that records a gradient (``_backend.call_mode`` said AUTOGRAD: plain tensors, no
+    """For a plain eager call that records a gradient (``runtime.backend.call_mode`` said AUTOGRAD: plain tensors, no
     tracing, grad enabled, an input requiring grad), whether the step can run as one node: CUDA/CPU tensors of one
     float dtype and device, nn.Linear-shaped weights ([H, D], [H, D], [D_out, H]), no autocast."""
     if x.dim() < 2 or w_gate.dim() != 2:
@@ -283,7 +111,7 @@ class GeGLUMLPFunction(torch.autograd.Function):
             g = torch.mm(x2, w_gate.t())
             u = torch.mm(x2, w_up.t())
             h = torch.empty_like(g)
-            _pw._forward_into(h, g, u, approximate, True)
+            _pw.forward_into(h, g, u, approximate, True)
         y = torch.mm(h, w_down.t())
         ctx.fused = fused
         ctx.approximate = approximate
@@ -324,7 +152,7 @@ class GeGLUMLPFunction(torch.autograd.Function):
             return _grads_accumulated(held, x, x2, w_gate, w_up, need_x, need_wg, need_wu) + (dwd, None)
         d_h = torch.mm(dy2, w_down, out=h)  # written over h
         del h
-        _pw._backward_into(g, u, d_h, g, u, ctx.approximate)  # [d_g, d_u] written over g and u
+        _pw.backward_into(g, u, d_h, g, u, ctx.approximate)  # [d_g, d_u] written over g and u
         del d_h
         d_g, d_u = g, u
         del g, u
@@ -400,45 +228,8 @@ def _grads_accumulated(held, x, x2, w_gate, w_up, need_x, need_wg, need_wu, one_
 _apply = super(torch.autograd.Function, GeGLUMLPFunction).apply
 
 
-# --- custom ops: the same computations for torch.compile, tracing and tensor subclasses ---------------------------
 
-
-def _check(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, approximate: str) -> None:
-    check_approximate(approximate)
-    for name, t in (("x", x), ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
-        if t.dtype not in _FLOATS:
-            raise TypeError(f"geglu_mlp: {name} has dtype {t.dtype}; expected float32, float16 or bfloat16.")
-        if t.dtype != x.dtype or t.device != x.device:
-            raise ValueError(f"geglu_mlp: {name} is {t.dtype} on {t.device} but x is {x.dtype} on {x.device}; "
-                             "expected one dtype and device.")
-    if x.dim() < 1 or x.shape[-1] == 0:
-        raise ValueError(f"geglu_mlp: x has shape {tuple(x.shape)}; expected [..., D] with D >= 1.")
-    if w_gate.dim() != 2 or w_gate.shape != w_up.shape or w_gate.shape[1] != x.shape[-1]:
-        raise ValueError(f"geglu_mlp: w_gate {tuple(w_gate.shape)} and w_up {tuple(w_up.shape)} must both be [H, D] "
-                         f"(nn.Linear(D, H).weight) with D = {x.shape[-1]}, x's last dim.")
-    if w_down.dim() != 2 or w_down.shape[1] != w_gate.shape[0]:
-        raise ValueError(f"geglu_mlp: w_down {tuple(w_down.shape)} must be [D_out, H] with H = {w_gate.shape[0]} "
-                         "(nn.Linear(H, D_out).weight).")
-
-
-@_library.op("geglu_mlp")
-def geglu_mlp_op(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, approximate: str) -> Tensor:
-    """The MLP forward without a gradient (:func:`inference`: the fused path's choice is made here, at run time)."""
-    _check(x, w_gate, w_up, w_down, approximate)
-    return inference(x, w_gate, w_up, w_down, approximate)
-
-
-@geglu_mlp_op.register_fake
-def _(x, w_gate, w_up, w_down, approximate):
-    _check(x, w_gate, w_up, w_down, approximate)
-    return x.new_empty(x.shape[:-1] + (w_down.shape[0],))
-
-
-def _rows(x: Tensor) -> int:
-    n = 1
-    for s in x.shape[:-1]:
-        n = n * s
-    return n
+# --- operators --------------------------------------------------------------------------------------------------------
 
 
 @_library.op("geglu_mlp_train")
@@ -451,7 +242,7 @@ def geglu_mlp_train(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
     g = torch.mm(x2, w_gate.t())
     u = torch.mm(x2, w_up.t())
     h = torch.empty_like(g)
-    _pw._forward_into(h, g, u, approximate, True)
+    _pw.forward_into(h, g, u, approximate, True)
     y = torch.mm(h, w_down.t())
     return y.view(x.shape[:-1] + (w_down.shape[0],)), g, u, h
 
@@ -478,7 +269,7 @@ def geglu_mlp_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, w_up: Tensor
     dwd = torch.mm(dy2.t(), h) if need_wd else x.new_empty(_EMPTY)
     d_h = torch.mm(dy2, w_down)
     d_u = torch.empty_like(d_h)
-    _pw._backward_into(d_h, d_u, d_h, g, u, approximate)  # d_g over d_h: each element read before it is written
+    _pw.backward_into(d_h, d_u, d_h, g, u, approximate)  # d_g over d_h: each element read before it is written
     d_g = d_h
     dx = torch.mm(d_g, w_gate).add_(torch.mm(d_u, w_up)).view(x.shape) if need_x else x.new_empty(_EMPTY)
     dwg = torch.mm(d_g.t(), x2) if need_wg else x.new_empty(_EMPTY)
@@ -545,7 +336,7 @@ def geglu_mlp_train_fused(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tenso
     else:
         g, u = torch.mm(x2, w_gate.t()), torch.mm(x2, w_up.t())
         h = torch.empty_like(g)
-        _pw._forward_into(h, g, u, approximate, True)
+        _pw.forward_into(h, g, u, approximate, True)
         gu = torch.cat((g, u), 1)
     y = torch.mm(h, w_down.t())
     return y.view(x.shape[:-1] + (w_down.shape[0],)), gu, h
@@ -578,7 +369,7 @@ def geglu_mlp_train_fused_backward(dy: Tensor, x: Tensor, w_gate: Tensor, w_up: 
         d_g, d_u = _fused_backward_dgeglu(fused[0], fused[1], dy2, w_down, g, u, approximate, out)
     else:
         d_h = torch.mm(dy2, w_down)
-        _pw._backward_into(out[0], out[1], d_h, g, u, approximate)
+        _pw.backward_into(out[0], out[1], d_h, g, u, approximate)
         d_g, d_u = out
     held = [d_g, d_u]
     del d_g, d_u, g, u, out, d_gu
@@ -596,6 +387,5 @@ geglu_mlp_train_fused.register_autograd(_train_backward_with(geglu_mlp_train_fus
                                        setup_context=_train_setup)
 
 
-__all__ = ["geglu_mlp", "inference", "regular", "fused_rule", "node_applies", "host_bound", "GeGLUMLPFunction",
-           "geglu_mlp_op", "geglu_mlp_train", "geglu_mlp_train_backward", "geglu_mlp_train_fused",
-           "geglu_mlp_train_fused_backward", "traced_fused_training", "DECODE_MAX_M"]
+__all__ = ["node_applies", "host_bound", "GeGLUMLPFunction", "geglu_mlp_train", "geglu_mlp_train_backward",
+           "geglu_mlp_train_fused", "geglu_mlp_train_fused_backward", "traced_fused_training"]

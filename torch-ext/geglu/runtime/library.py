@@ -3,9 +3,9 @@
 ``torch.library.custom_op`` wraps each call in two Python layers: an autograd kernel that runs even without a
 gradient (it computes the dispatch key set and redispatches) and a backend wrapper that checks, after every call,
 that no output aliases an input: a few µs a call more than an op defined with ``Library.define`` /
-``Library.impl`` (measured: docs/development.md).
-An Inductor graph calls our MLP op once per layer, and where the compiled model is host-bound (T5 v1.1 base's
-prefill, 24 MLP calls) that cost is the whole difference to the model compiled without kernels.
+``Library.impl`` (benchmarks/results/development-notes.md gives the measurement). An Inductor graph calls the MLP
+op once per layer, so where a compiled model is host-bound that cost is the difference to the model compiled
+without kernels.
 
 :func:`op` gives the same contract as ``custom_op`` where it matters: the schema is inferred from the type hints
 (``torch.library.infer_schema``), the fake implementation and the autograd formula are registered with
@@ -19,7 +19,7 @@ from typing import Callable, Dict, Sequence
 import torch
 from torch.library import Library
 
-from ._ops import add_op_namespace_prefix
+from .._ops import add_op_namespace_prefix
 
 _LIBS: Dict[str, Library] = {}
 

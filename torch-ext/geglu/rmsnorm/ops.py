@@ -10,7 +10,7 @@ The function of transformers' ``GemmaRMSNorm.forward`` (Gemma, Gemma 2, Gemma 3,
 the scale is ``offset + w`` rounded to fp32 (``offset=1.0``: Gemma's ``1 + w``; ``offset=0.0``: ``w``), and the
 product is taken in fp32 before the one rounding to x's dtype.
 
-* CUDA tensors run the Triton kernels (``_rmsnorm_triton``: one read of x, one write of y; the backward reads x
+* CUDA tensors run the Triton kernels (``rmsnorm.kernels``: one read of x, one write of y; the backward reads x
   and dy once and sums dw deterministically). Not bit-exact with eager: the row sum is taken in another order
   (docs/rmsnorm.md gives and tests the bound).
 * CPU tensors run eager's own ops in the host's order (bit-exact with the host module, forward and backward);
@@ -26,9 +26,9 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from . import _backend
-from ._checks import SUPPORTED_DTYPES
-from ._ops import add_op_namespace_prefix
+from ..runtime import backend as _backend
+from ..runtime.checks import SUPPORTED_DTYPES
+from .._ops import add_op_namespace_prefix
 
 _grad_enabled = torch.is_grad_enabled
 _OK_DTYPES = frozenset(SUPPORTED_DTYPES)
@@ -39,7 +39,7 @@ _tri = None
 def _triton():
     global _tri
     if _tri is None:
-        from . import _rmsnorm_triton as mod
+        from . import kernels as mod
 
         _tri = mod
     return _tri
@@ -252,7 +252,7 @@ _eager_apply = super(torch.autograd.Function, EagerRMSNorm).apply
 
 
 def _plain_eager(x, weight) -> bool:
-    """A plain eager call (``_backend.call_mode``: plain tensors, a Parameter is one; no compile, tracing or
+    """A plain eager call (``runtime.backend.call_mode``: plain tensors, a Parameter is one; no compile, tracing or
     functorch transform)."""
     return _backend.call_mode(x, weight) != _backend.OP
 

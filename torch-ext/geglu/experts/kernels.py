@@ -8,7 +8,7 @@ the experts' ``gate_up_proj`` [E, 2I, D] (gate rows first: Gemma 4's layout), re
 grouped GEMM's ``[S, 2I]`` output and the gate's pass over it (write and read 2I, write I per row) by a write of
 ``[S, I]``.
 
-The tile is the dense fused kernel's paired one (`_fused_mlp_triton._paired_tile`): per K step one TMA box
+The tile is the dense fused kernel's paired one (`mlp.kernels._paired_tile`): per K step one TMA box
 ``[1, 2, BLOCK_N, BLOCK_K]`` of the 4-D view ``[E, 2, I, D]`` loads the expert's gate and up tiles into one
 ``[2 * BLOCK_N, BLOCK_K]`` operand (one N = 2 * BLOCK_N dot), and the epilogue is the fast one (the GeGLU of the
 fp32 accumulators, rounded once): more accurate than ``round(gelu(round(g))) * round(u)``, not its bits. A tile's
@@ -27,9 +27,12 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _aot
-from ._fused_mlp_triton import INTERPRETER, Config, _aligned, _geglu_epilogue, _halves, _run, _sm_count, tma_supported
-from ._triton import INTERPRET, K_ALPHA, K_BETA_TANH, K_KAPPA
+from ..mlp.kernels import INTERPRETER, Config, run_gemm, tma_aligned, tma_supported
+from ..mlp.tiles import geglu_epilogue, split_halves
+from ..runtime import aot as _aot
+from ..runtime.gelu_math import INTERPRET, K_ALPHA, K_BETA_TANH, K_KAPPA
+from ..runtime.aot import desc_arg
+from ..runtime.launch import prebuild, sm_count
 
 
 @triton.jit
@@ -58,8 +61,8 @@ def _grouped_geglu_kernel(x_desc, w_desc, out_ptr, tile_expert_ptr, tiles_end_pt
                 acc = tl.dot(a.to(tl.float32), b.to(tl.float32).T, acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, b.T, acc)
-        acc_g, acc_u = _halves(acc, BLOCK_M, 2 * BLOCK_N)
-        y, _, _ = _geglu_epilogue(acc_g, acc_u, x_desc.dtype, TANH, 0, FAST_EPI, K_BETA_TANH, K_KAPPA, K_ALPHA)
+        acc_g, acc_u = split_halves(acc, BLOCK_M, 2 * BLOCK_N)
+        y, _, _ = geglu_epilogue(acc_g, acc_u, x_desc.dtype, TANH, 0, FAST_EPI, K_BETA_TANH, K_KAPPA, K_ALPHA)
         r = off_m + rows
         c = off_n + cols
         mask = ((r < row_end) & (r < S))[:, None] & (c < N)[None, :]  # S: offsets past the rows write nothing
@@ -67,8 +70,8 @@ def _grouped_geglu_kernel(x_desc, w_desc, out_ptr, tile_expert_ptr, tiles_end_pt
 
 
 # The dense paired kernel's large tile (flattened persistent loop, fast epilogue) where experts average more than
-# 256 rows; with fewer, 64-row tiles waste less of each expert's last tile (the measurements behind the choice:
-# docs/development.md, "MoE experts").
+# 256 rows; with fewer, 64-row tiles waste less of each expert's last tile (docs/fused-mlp.md gives the
+# measurements behind the choice).
 LARGE = Config(128, 128, 64, 1, 8, 3, persistent=True, flatten=True, fast_epi=True, pair=True)
 SMALL_M = LARGE._replace(block_m=64, num_warps=4, num_stages=4)
 INTERPRETER_CFG = INTERPRETER._replace(fast_epi=True, pair=True)
@@ -97,7 +100,7 @@ def applies(x: torch.Tensor, gate_up_proj: torch.Tensor) -> bool:
         return False
     es = x.element_size()
     I, D = gate_up_proj.shape[1] // 2, x.shape[1]
-    return (x.is_contiguous() and gate_up_proj.is_contiguous() and _aligned(x) and (D * es) % 16 == 0
+    return (x.is_contiguous() and gate_up_proj.is_contiguous() and tma_aligned(x) and (D * es) % 16 == 0
             and (I * es) % 16 == 0 and gate_up_proj.data_ptr() % 16 == 0)
 
 
@@ -140,8 +143,32 @@ def grouped_gate_up_geglu(x: torch.Tensor, gate_up_proj: torch.Tensor, offsets: 
     tile_expert, tiles_end, m_tiles, offs, bound = schedule(offsets, S, I, bm, bn)
     x_desc = _aot.Desc(x, [S, D], [D, 1], [bm, bk])
     w_desc = _aot.Desc(gate_up_proj, [E, 2, I, D], [I2 * D, I * D, D, 1], [1, 2, bn, bk])
-    grid = (min(bound, _sm_count(x.device)),)
-    _run(_grouped_geglu_kernel, grid,
+    grid = (min(bound, sm_count(x.device)),)
+    run_gemm(_grouped_geglu_kernel, grid,
          [x_desc, w_desc, out, tile_expert, tiles_end, m_tiles, offs, S, E, I, out.stride(0), D, bound],
          grouped_consts(tanh, cfg), cfg, x.device)
+    return out
+
+
+# The build (kerneltools.build.aot) compiles every launch listed here ahead of time, for sm_90 and newer (TMA tensor
+# descriptors); a launch it did not list runs Triton's JIT.
+PREBUILD_MIN_ARCH = 90
+
+
+def prebuild_launches() -> list:
+    """The grouped kernel at both configs, fp16 and bf16, with and without width hints."""
+    out = []
+    for dt in ("bf16", "fp16"):
+        for cfg in (LARGE, SMALL_M):
+            bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+            for width_hint in (True, False):
+                args = ([desc_arg("x_desc", dt, [bm, bk]), desc_arg("w_desc", dt, [1, 2, bn, bk]),
+                         ("out_ptr", f"*{dt}", True)]
+                        + [(n, "*i32", True) for n in ("tile_expert_ptr", "tiles_end_ptr", "m_tiles_ptr",
+                                                        "offsets_ptr")]
+                        + [("S", "i32", False), ("E", "i32", False), ("N", "i32", width_hint),
+                           ("stride_o", "i32", width_hint), ("K", "i32", False), ("bound", "i32", False)])
+                for tanh in (False, True):
+                    out.append(prebuild(_grouped_geglu_kernel, args, grouped_consts(tanh, cfg), cfg.num_warps,
+                                        cfg.num_stages))
     return out

@@ -1,4 +1,4 @@
-"""Triton kernels for Gemma's RMSNorm (``_rmsnorm``): forward, backward and the weight-gradient reduction.
+"""Triton kernels for Gemma's RMSNorm (``rmsnorm.ops``): forward, backward and the weight-gradient reduction.
 
 Math per row of ``D`` elements (fp32 throughout, as eager's; each product and sum rounded separately: kernels
 launch with FMA contraction off)::
@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton import INTERPRET, _device_guard, _launch, _next_pow2, _round, _sm_count
+from ..runtime.gelu_math import INTERPRET, round_to
+from ..runtime.launch import device_guard, launch, next_pow2, pow2_up_to, prebuild, sm_count
 
 MAX_FUSED_D = 16384  # widest row kept in registers (power of two)
 CHUNK = 4096  # slice width of the looped kernels (rows wider than MAX_FUSED_D)
@@ -41,7 +42,7 @@ def _fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, M, stride_x, stride_y, D, EPS, IN
     r = tl.math.rsqrt(tl.sum(x * x, axis=1) * INV_D + EPS)
     s = OFFSET + tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     y = (x * r[:, None]) * s[None, :]
-    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], _round(y, y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], round_to(y, y_ptr.dtype.element_ty), mask=mask)
     if SAVE_RSTD:
         tl.store(rstd_ptr + rows, r, mask=rmask)
 
@@ -69,7 +70,7 @@ def _fwd_looped_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, stride_x, stride_y, D, EPS
         cmask = cols < D
         x = tl.load(x_row + cols, mask=cmask, other=0.0).to(tl.float32)
         s = OFFSET + tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-        tl.store(y_row + cols, _round((x * r) * s, y_ptr.dtype.element_ty), mask=cmask)
+        tl.store(y_row + cols, round_to((x * r) * s, y_ptr.dtype.element_ty), mask=cmask)
     if SAVE_RSTD:
         tl.store(rstd_ptr + row, r)
 
@@ -99,7 +100,7 @@ def _bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dwp_ptr, M, stride_dy, s
         dxn = dy * s[None, :]
         c = tl.sum(dxn * xn, axis=1) * INV_D
         dx = (dxn - xn * c[:, None]) * r[:, None]
-        tl.store(dx_ptr + rows[:, None] * stride_dx + cols[None, :], _round(dx, dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_ptr + rows[:, None] * stride_dx + cols[None, :], round_to(dx, dx_ptr.dtype.element_ty), mask=mask)
         if HAS_DW:
             acc += dy * xn
     if HAS_DW:
@@ -140,7 +141,7 @@ def _bwd_looped_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dwp_ptr, M, strid
             s = OFFSET + tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
             xn = x * r
             dxn = dy * s
-            tl.store(dx_row + cols, _round((dxn - xn * c) * r, dx_ptr.dtype.element_ty), mask=cmask)
+            tl.store(dx_row + cols, round_to((dxn - xn * c) * r, dx_ptr.dtype.element_ty), mask=cmask)
             if HAS_DW:
                 p = tl.load(dwp_row + cols, mask=cmask, other=0.0)
                 tl.store(dwp_row + cols, p + dy * xn, mask=cmask)
@@ -155,7 +156,7 @@ def _dw_kernel(dwp_ptr, dw_ptr, G, D, BLOCK_G: tl.constexpr, BLOCK_C: tl.constex
     for g0 in range(0, G, BLOCK_G):
         g = tl.arange(0, BLOCK_G).to(tl.int64) + g0
         acc += tl.load(dwp_ptr + g[:, None] * D + cols[None, :], mask=(g < G)[:, None] & cmask[None, :], other=0.0)
-    tl.store(dw_ptr + cols, _round(tl.sum(acc, axis=0), dw_ptr.dtype.element_ty), mask=cmask)
+    tl.store(dw_ptr + cols, round_to(tl.sum(acc, axis=0), dw_ptr.dtype.element_ty), mask=cmask)
 
 
 # --- plans -----------------------------------------------------------------------------------------------------
@@ -191,7 +192,7 @@ def fwd_plan(M: int, D: int, device: torch.device, tiles=None):
     key = ("fwd", M, D, device, tiles)
     plan = _PLANS.get(key)
     if plan is None:
-        block_d = _next_pow2(D)
+        block_d = next_pow2(D)
         if block_d > MAX_FUSED_D:
             plan = ((M,), 1, CHUNK, 8, True)
         else:
@@ -199,7 +200,7 @@ def fwd_plan(M: int, D: int, device: torch.device, tiles=None):
                 block_m, num_warps = tiles
             else:
                 block_m = max(1, 4096 // block_d)
-                while block_m > 1 and triton.cdiv(M, block_m) < 4 * _sm_count(device):
+                while block_m > 1 and triton.cdiv(M, block_m) < 4 * sm_count(device):
                     block_m //= 2
                 num_warps = max(1, min(16, block_m * block_d // 512))
             plan = ((triton.cdiv(M, block_m),), block_m, block_d, num_warps, False)
@@ -215,8 +216,8 @@ def bwd_plan(M: int, D: int, device: torch.device, tiles=None):
     key = ("bwd", M, D, device, tiles)
     plan = _PLANS.get(key)
     if plan is None:
-        block_d = _next_pow2(D)
-        sms = _sm_count(device)
+        block_d = next_pow2(D)
+        sms = sm_count(device)
         if block_d > MAX_FUSED_D:
             plan = ((max(1, min(M, 2 * sms)),), 1, CHUNK, 8, True)
         else:
@@ -265,12 +266,12 @@ def launch_fwd(y2, x2, w, rstd, M: int, D: int, eps: float, offset: float, sx: i
     grid, block_m, block_d, num_warps, looped = fwd_plan(M, D, x2.device, tiles)
     save = rstd is not None
     rstd_arg = rstd if save else y2
-    with _device_guard(x2):
+    with device_guard(x2):
         if looped:
-            _launch(_fwd_looped_kernel, grid, (x2, w, y2, rstd_arg, sx, sy, D, eps, inv_d(D), offset),
+            launch(_fwd_looped_kernel, grid, (x2, w, y2, rstd_arg, sx, sy, D, eps, inv_d(D), offset),
                     (block_d, save), num_warps, x2.device)
         else:
-            _launch(_fwd_kernel, grid, (x2, w, y2, rstd_arg, M, sx, sy, D, eps, inv_d(D), offset),
+            launch(_fwd_kernel, grid, (x2, w, y2, rstd_arg, M, sx, sy, D, eps, inv_d(D), offset),
                     (block_m, block_d, save), num_warps, x2.device)
 
 
@@ -326,17 +327,17 @@ def backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd, eps: floa
     if need_dw:
         dwp = (torch.zeros if looped else torch.empty)((G, D), dtype=torch.float32, device=x.device)
     has_rstd = rstd is not None
-    with _device_guard(x):
+    with device_guard(x):
         args = (dy2, x2, w, rstd if has_rstd else x2, dx2, dwp if need_dw else x2, M, sdy, sx, sdx, D, eps,
                 inv_d(D), offset)
         if looped:
-            _launch(_bwd_looped_kernel, grid, args, (block_d, has_rstd, need_dw), num_warps, x.device)
+            launch(_bwd_looped_kernel, grid, args, (block_d, has_rstd, need_dw), num_warps, x.device)
         else:
-            _launch(_bwd_kernel, grid, args, (block_m, block_d, has_rstd, need_dw), num_warps, x.device)
+            launch(_bwd_kernel, grid, args, (block_m, block_d, has_rstd, need_dw), num_warps, x.device)
         dw = None
         if need_dw:
             dw = torch.empty(D, dtype=w.dtype, device=w.device)
-            _launch(_dw_kernel, (triton.cdiv(D, DW_BLOCK_C),), (dwp, dw, G, D), (DW_BLOCK_G, DW_BLOCK_C), 4,
+            launch(_dw_kernel, (triton.cdiv(D, DW_BLOCK_C),), (dwp, dw, G, D), (DW_BLOCK_G, DW_BLOCK_C), 4,
                     x.device)
     if tmp is not None:
         dx.copy_(tmp.view(x.shape))
@@ -344,3 +345,54 @@ def backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd, eps: floa
 
 
 __all__ = ["forward", "backward", "f32", "inv_d", "fwd_plan", "bwd_plan", "INTERPRET", "MAX_FUSED_D"]
+
+
+# The build (kerneltools.build.aot) compiles every launch listed here ahead of time; a launch it did not list runs
+# Triton's JIT. The list follows fwd_plan / bwd_plan: change them together.
+PREBUILD_MIN_ARCH = 80
+
+
+def prebuild_launches() -> list:
+    """Every (block_m, block_d) the plans can choose for rows of 128 to ``MAX_FUSED_D``, the looped kernels and the
+    dw reduction, for each dtype, with and without width hints."""
+    out = []
+    for dt in ("bf16", "fp16", "fp32"):
+        p = f"*{dt}"
+        for width_hint in (True, False):  # D and the row strides divisible by 16, or not
+            def rows(names):
+                return [(n, "i32", width_hint) for n in names]
+
+            tail = [("D", "i32", width_hint), ("EPS", "fp32", False), ("INV_D", "fp32", False),
+                    ("OFFSET", "fp32", False)]
+
+            def fwd_args(save, looped=False):  # without a saved rstd the launcher passes y in its place
+                return ([("x_ptr", p, True), ("w_ptr", p, True), ("y_ptr", p, True),
+                         ("rstd_ptr", "*fp32" if save else p, True)] + ([] if looped else [("M", "i32", False)])
+                        + rows(("stride_x", "stride_y")) + tail)
+
+            def bwd_args(has_rstd, has_dw):  # x stands in for a missing rstd or dw partial
+                return ([("dy_ptr", p, True), ("x_ptr", p, True), ("w_ptr", p, True),
+                         ("rstd_ptr", "*fp32" if has_rstd else p, True), ("dx_ptr", p, True),
+                         ("dwp_ptr", "*fp32" if has_dw else p, True), ("M", "i32", False)]
+                        + rows(("stride_dy", "stride_x", "stride_dx")) + tail)
+
+            flags = [(r, w) for r in (True, False) for w in (True, False)]
+            block_d = 128
+            while block_d <= MAX_FUSED_D:
+                for block_m in pow2_up_to(max(1, 4096 // block_d)):
+                    warps = max(1, min(16, block_m * block_d // 512))
+                    for save in (True, False):
+                        out.append(prebuild(_fwd_kernel, fwd_args(save), (block_m, block_d, save), warps))
+                for block_m in pow2_up_to(max(1, 2048 // block_d)):
+                    warps = max(1, min(32, block_m * block_d // 256))
+                    for has_rstd, has_dw in flags:
+                        out.append(prebuild(_bwd_kernel, bwd_args(has_rstd, has_dw),
+                                            (block_m, block_d, has_rstd, has_dw), warps))
+                block_d *= 2
+            for save in (True, False):
+                out.append(prebuild(_fwd_looped_kernel, fwd_args(save, looped=True), (CHUNK, save), 8))
+            for has_rstd, has_dw in flags:
+                out.append(prebuild(_bwd_looped_kernel, bwd_args(has_rstd, has_dw), (CHUNK, has_rstd, has_dw), 8))
+            out.append(prebuild(_dw_kernel, [("dwp_ptr", "*fp32", True), ("dw_ptr", p, True), ("G", "i32", False),
+                                             ("D", "i32", width_hint)], (DW_BLOCK_G, DW_BLOCK_C), 4))
+    return out

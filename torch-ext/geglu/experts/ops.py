@@ -51,17 +51,15 @@ def eager_forward(experts, gate: Callable, hidden_states: torch.Tensor, top_k_in
 # decode sizes most experts get a row or none, a tile is mostly empty and the block is bound by reading the
 # experts' weights, which both paths do once. Measured ahead of time (`python -m kerneltools.bench.fused_rule`,
 # docs/fused-mlp.md); nothing is timed at run time.
-FUSED_MIN_ROWS = {9: 2048}
+FUSED_RULES = {9: dict(min_rows=2048)}
 
 
 def fused_rule(rows: int, device: torch.device) -> bool:
     """Whether the fused block runs for ``rows`` routed rows on ``device``: the shipped threshold for the GPU's
     architecture (never on one it has none for); on CPU tensors (the Triton interpreter, tests) always."""
-    if device.type != "cuda":
-        return True
-    from . import _mlp
+    from ..runtime import backend
 
-    return rows >= FUSED_MIN_ROWS.get(_mlp._capability(device), 1 << 62)
+    return backend.shipped_rule(FUSED_RULES, device, min_rows=rows)
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -91,12 +89,12 @@ def _plain_grouped(experts) -> bool:
             and type(experts.gate_up_proj) is torch.nn.Parameter and type(experts.down_proj) is torch.nn.Parameter)
 
 
-def _fused_block(experts, hidden_states, top_k_index, top_k_weights, tanh: bool) -> torch.Tensor:
+def fused_block(experts, hidden_states, top_k_index, top_k_weights, tanh: bool) -> torch.Tensor:
     """transformers' grouped_mm experts forward, op for op, with the first grouped GEMM and the gate as one kernel
-    (`_experts_triton.grouped_gate_up_geglu`). Each [S, ...] buffer is released once the next one exists: at the
+    (`experts.kernels.grouped_gate_up_geglu`). Each [S, ...] buffer is released once the next one exists: at the
     block's peak transformers holds the sorted rows, the down projection's output and two weighted copies of it
     ([S, hidden] each), this block only the two weighted copies."""
-    from . import _experts_triton
+    from . import kernels as _experts_triton
 
     num_top_k = top_k_index.size(-1)
     num_tokens, hidden_dim = hidden_states.shape
@@ -116,9 +114,9 @@ def _fused_block(experts, hidden_states, top_k_index, top_k_weights, tanh: bool)
 def fused_forward(experts, hidden_states, top_k_index, top_k_weights, approximate):
     """The experts block with the fused gate/up kernel, or None where it does not apply: the grouped_mm
     implementation, inference (no gradient), the ``fused_mlp`` setting on, operands the kernel takes, and at least
-    ``FUSED_MIN_ROWS`` routed rows for the GPU's architecture (CPU tensors under the interpreter: any). Not eager's
-    bits: the GeGLU of the fp32 accumulators, rounded once."""
-    from . import _config
+    ``FUSED_RULES``' ``min_rows`` routed rows for the GPU's architecture (CPU tensors under the interpreter: any).
+    Not eager's bits: the GeGLU of the fp32 accumulators, rounded once."""
+    from ..runtime import config as _config
 
     if approximate is None or not _config.current.fused_mlp or hidden_states.dim() != 2:
         return None
@@ -137,9 +135,9 @@ def fused_forward(experts, hidden_states, top_k_index, top_k_weights, approximat
     if not _plain_grouped(experts) or experts.down_proj.dtype != hidden_states.dtype:
         return None
     try:
-        from . import _experts_triton
+        from . import kernels as _experts_triton
     except ImportError:  # no triton
         return None
     if not _experts_triton.applies(hidden_states, experts.gate_up_proj):
         return None
-    return _fused_block(experts, hidden_states, top_k_index, top_k_weights, approximate == "tanh")
+    return fused_block(experts, hidden_states, top_k_index, top_k_weights, approximate == "tanh")

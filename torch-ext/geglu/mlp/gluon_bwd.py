@@ -1,6 +1,6 @@
 """The training backward step of the ``fused_training`` setting: d_h = dY @ Wd with the dGeGLU (or, with ``deriv``,
-its two products) in the epilogue, as a warp-specialised Gluon kernel for Hopper, so that the epilogue overlaps the
-next tile's main loop instead of idling the tensor cores.
+its two products) in the epilogue, as a warp-specialised Gluon kernel for sm_90 (wgmma), so that the epilogue
+overlaps the next tile's main loop instead of idling the tensor cores.
 
 One producer warp issues every TMA load of the program's tiles into a ring of shared-memory stages, and two consumer
 warpgroups take alternate tiles ("ping-pong"): while one runs its tile's epilogue, the other's wgmma main loop keeps
@@ -10,7 +10,7 @@ Without ``deriv`` the epilogue is our pointwise backward (eager's rounding; the 
 the pointwise kernel); with it, g and u hold the forward's gelu(g) and u * gelu'(g) and the epilogue is
 d_gate = d_h * (u * gelu'(g)), d_up = d_h * gelu(g), each rounded once.
 
-Needs Triton's Gluon (triton >= 3.5) and sm_90; imported lazily (``_mlp._gluon_backward``).
+Needs Triton's Gluon (triton >= 3.5) and sm_90; imported lazily (``mlp.inference._gluon_backward``).
 """
 
 from typing import Optional, Tuple
@@ -22,8 +22,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ._fused_mlp_triton import _fast_exp2, _fast_rcp, _tile_coords
-from ._triton import K_3KAPPA, K_ALPHA, K_BETA_ERF, K_BETA_TANH, K_KAPPA, _gelu, _gelu_grad, _round
+from ..runtime.gelu_math import K_3KAPPA, K_ALPHA, K_BETA_ERF, K_BETA_TANH, K_KAPPA, gelu, gelu_grad, round_to
+from .tiles import _fast_exp2, _fast_rcp, _tile_coords
 
 # Ring stages when the caller does not say: the deriv epilogue (two products, about half the registers of the
 # dGeGLU) has room for a fifth: 5 stages of 32 KiB and the 64 KiB staging buffer fill 224 of the 227 KiB of shared
@@ -152,23 +152,23 @@ def _epi_math_store(dh, gv, uv, row0, col0, g_ptr, u_ptr, M, N, stride_g, stride
     x = gv.to(gl.float32)
     uf = uv.to(gl.float32)
     if EPI_MODE == 2:
-        d_up = _round(dh * x, T)
-        d_gate = _round(dh * uf, T)
+        d_up = round_to(dh * x, T)
+        d_gate = round_to(dh * uf, T)
     elif FAST and TANH:
         # s = sigmoid(2 * inner) = (1 + tanh(inner)) / 2: gelu = x * s and
         # gelu' = s + x * (1 - tanh^2) * inner' / 2 = s + 2 * kBeta * x * s * (1 - s) * (1 + 3 * kKappa * x^2)
         x2 = x * x
         z = (-2.0 * K_BETA_TANH * 1.4426950408889634) * x * gl.fma(x2, K_KAPPA, 1.0)  # -2 * inner * log2(e)
         s = _fast_rcp(1.0 + _fast_exp2(z))
-        d_up = _round(dh * (x * s), T)
+        d_up = round_to(dh * (x * s), T)
         w = gl.fma(-s, s, s)  # s * (1 - s)
         gp = gl.fma((2.0 * K_BETA_TANH) * x * w, gl.fma(x2, K_3KAPPA, 1.0), s)
-        d_gate = _round(dh * uf * gp, T)
+        d_gate = round_to(dh * uf * gp, T)
     else:
-        h = _round(_gelu(x, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA), T).to(gl.float32)
-        d_up = _round(dh * h, T)
-        d_hg = _round(dh * uf, T).to(gl.float32)
-        d_gate = _round(d_hg * _gelu_grad(x, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA), T)
+        h = round_to(gelu(x, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA), T).to(gl.float32)
+        d_up = round_to(dh * h, T)
+        d_hg = round_to(dh * uf, T).to(gl.float32)
+        d_gate = round_to(d_hg * gelu_grad(x, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA), T)
     if EVEN:
         gl.store(g_ptrs, d_gate)
         gl.store(u_ptrs, d_up)
@@ -285,4 +285,4 @@ def down_dgeglu_ws(dy: torch.Tensor, w_down: torch.Tensor, g: torch.Tensor, u: t
         K_KAPPA=K_KAPPA, K_ALPHA=K_ALPHA, K_BETA_ERF=K_BETA_ERF, K_3KAPPA=K_3KAPPA, EPI_MODE=2 if deriv else epi_mode,
         LOOP_CHUNKS=loop_chunks,
         FAST=fast and tanh, EVEN=M % block_m == 0 and N % block_n == 0, num_warps=consumer_warps,
-        enable_fp_fusion=False)  # eager's bits: FMAs only where written (_triton.py)
+        enable_fp_fusion=False)  # eager's bits: FMAs only where written (runtime/gelu_math.py)

@@ -9,8 +9,8 @@ setting            environment variable        meaning
 ``fused_mlp``      ``GEGLU_FUSED_MLP``         ``GeGLUMLP`` in inference, and the MoE experts' grouped_mm
                                                inference, take the fused gate/up GEMM (the GeGLU in its
                                                epilogue: more accurate than eager, not its bits) where the shipped
-                                               rule for the GPU's architecture says it is faster (``_mlp``,
-                                               ``_experts``: from the shape, nothing timed) (default on; ``0``:
+                                               rule for the GPU's architecture says it is faster (``mlp.ops``,
+                                               ``experts.ops``: from the shape, nothing timed) (default on; ``0``:
                                                eager's bits everywhere)
 ``fused_training`` ``GEGLU_FUSED_TRAINING``    ``GeGLUMLP``'s training step, eager or under torch.compile, takes
                                                the fused kernels where the Gluon backward runs (sm_90): the
@@ -23,7 +23,7 @@ setting            environment variable        meaning
                                                multiple of 32; unroll 1, 2 or 4) or ``"<threads>,p<stages>"``
                                                the cp.async pipeline (stages 2 or 4); the same bits either way
 ``prebuilt``       ``GEGLU_PREBUILT``          launch the Triton kernels this variant ships compiled for the
-                                               GPU's architecture (``_aot``: no JIT compilation), where it has
+                                               GPU's architecture (``runtime.aot``: no JIT compilation), where it has
                                                them (default on; ``0``: Triton's JIT for every Triton kernel)
 =================  ==========================  ============================================================
 
@@ -133,14 +133,14 @@ class _Restore:
         return False
 
 
-# The compiled library's launch-plan setter, registered by ``_direct`` when it loads the library's entry points
+# The compiled library's launch-plan setter, registered by ``runtime.direct`` when it loads the library's entry points
 # (None: no compiled library in this variant, or one without the setter): the modules that read the settings
 # import this one, and this one imports none of them (only the generated ``_ops``, for HAS_CUDA_LIB).
 _set_plan = None
 
 
 def set_plan_hook(setter) -> None:
-    """Register the compiled library's launch-plan setter (``_direct`` does at import; None for none)."""
+    """Register the compiled library's launch-plan setter (``runtime.direct`` does at import; None for none)."""
     global _set_plan
     _set_plan = setter
 
@@ -171,7 +171,7 @@ def configure(**changes) -> _Restore:
     if "backend" in changes:
         changes["backend"] = parse_backend(changes["backend"], "geglu.configure(backend)")
         if changes["backend"] == "cuda":
-            from ._ops import HAS_CUDA_LIB
+            from .._ops import HAS_CUDA_LIB
 
             if not HAS_CUDA_LIB:
                 raise RuntimeError(

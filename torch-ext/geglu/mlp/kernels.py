@@ -1,0 +1,259 @@
+"""The fused GeGLU MLP's gate/up GEMM, host side: tile configs (a small fixed set chosen per (M bucket, D, H, dtype,
+save), nothing autotuned at call time), the launcher (``gate_up_geglu``: TMA descriptors where the device and
+strides allow, the paired kernel where ``pair_layout`` accepts the weights, one pipeline stage fewer on
+OutOfResources) and the launches the build prebuilds. The device code and its numerics: ``mlp.tiles``.
+"""
+
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+import triton
+
+from ..runtime import aot as _aot
+from ..runtime.aot import desc_arg
+from ..runtime.gelu_math import INTERPRET, K_ALPHA, K_BETA_TANH, K_KAPPA
+from ..runtime.launch import NULL_CONTEXT, prebuild, prebuilt, sm_count
+from .tiles import _gate_up_geglu_kernel, _paired_gate_up_geglu_kernel
+
+try:  # host-side TMA descriptors (triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older triton: pointer loads only
+    TensorDescriptor = None
+
+
+# --- configs ------------------------------------------------------------------------------------------------------
+
+
+class Config(NamedTuple):
+    block_m: int = 128
+    block_n: int = 128  # per accumulator: the tile covers BLOCK_N columns of gate and of up
+    block_k: int = 64
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+    persistent: bool = False  # one program per SM looping over the tiles
+    flatten: bool = False  # persistent: Triton's loop flattening of the tile and K loops into one pipelined loop,
+    #                        so that the next tile's first loads are in flight during this tile's epilogue
+    tma: bool = True  # use TMA descriptors where the hardware and the strides allow it
+    fast_epi: bool = False  # GeGLU of the fp32 accumulators with hardware approximations, rounded once
+    pair: bool = False  # forward: one [2 * BLOCK_N, BLOCK_K] weight operand holding both weights' tiles, one dot
+    #                     of N = 2 * BLOCK_N per K step (`_launch_paired`), where the weights allow it
+
+    def label(self) -> str:
+        s = f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages} g{self.group_m}"
+        if self.persistent:
+            s += " persistent" + (" flat" if self.flatten else "")
+        if not self.tma:
+            s += " ptr"
+        if self.fast_epi:
+            s += " fast-epi"
+        if self.pair:
+            s += " pair"
+        return s
+
+
+# Shared memory per stage is (BLOCK_M + 2 * BLOCK_N) * BLOCK_K * 2 bytes: 48 KiB at 128x128x64. Registers: two
+# 128x128 fp32 accumulators over 8 warps are 128 a thread. The persistent loop matters on sm_90: without it ptxas
+# serialises the tile's wgmma pipeline (warning C7515), with it a K step's wgmma issue back to back.
+LARGE = Config(128, 128, 64, 16, 8, 3, persistent=True, pair=True)  # paired where the weights allow
+MEDIUM = Config(64, 128, 64, 8, 4, 4)  # 65 <= M <= 256: one warpgroup, m64 wgmma
+INTERPRETER = Config(16, 16, 16, 2, 1, 1)  # tiny tiles: several tiles and K steps at test sizes
+# Paired-kernel tiles: BLOCK_N counts h columns, so the dot is BLOCK_M x (2 * BLOCK_N). The flattened persistent
+# loop overlaps a tile's epilogue with the next tile's first loads (the outputs are bit-identical either way).
+PAIRED_LARGE = Config(128, 128, 64, 16, 8, 3, persistent=True, flatten=True, fast_epi=True, pair=True)
+
+# Choices per (M bucket, D, H, dtype, save) -> Config; `gate_up_geglu` fills it when a config runs out of shared
+# memory on a device (one stage fewer), and the inference path with its configs.
+TUNED: dict = {}
+
+
+def inference_config(M: int) -> Config:
+    """The tile of the fused inference path: the fast epilogue, paired weights above 256 rows."""
+    base = INTERPRETER if INTERPRET else (MEDIUM if M <= 256 else PAIRED_LARGE)
+    return base._replace(fast_epi=True)
+
+
+def m_bucket(M: int) -> int:
+    """Power-of-two bucket of M (capped at 8192), the only M dependence of the config choice."""
+    return min(1 << max(M - 1, 1).bit_length(), 8192)
+
+
+def choose_config(M: int, D: int, H: int, dtype: torch.dtype, save: bool) -> Config:
+    cfg = TUNED.get((m_bucket(M), D, H, dtype, save))
+    if cfg is not None:
+        return cfg
+    if INTERPRET:
+        return INTERPRETER
+    return MEDIUM if M <= 256 else LARGE
+
+
+# --- launcher -----------------------------------------------------------------------------------------------------
+
+def tma_aligned(t: torch.Tensor) -> bool:
+    """TMA needs a 16-byte-aligned base and row stride, and a unit stride on the last dim."""
+    es = t.element_size()
+    return t.stride(-1) == 1 and (t.stride(0) * es) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+def tma_supported(device: torch.device) -> bool:
+    if TensorDescriptor is None:
+        return False
+    if INTERPRET:
+        return True
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _save_mode(save: bool, deriv: bool) -> int:
+    """The kernels' SAVE: 0 h only, 1 also [g | u], 2 also [gelu(g) | u * gelu'(g)] (`geglu_epilogue`)."""
+    return 2 if save and deriv else int(save)
+
+
+def gate_up_geglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, tanh: bool, save: bool,
+                  config: Optional[Config] = None, deriv: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """h = geglu(x @ w_gate^T, x @ w_up^T) for 2-D x [M, D] and weights [H, D] (fp16/bf16, unit last-dim stride,
+    validated by the caller); with ``save`` also gu = [g | u] [M, 2H], the rounded pre-activations, or with ``deriv``
+    as well [gelu(g) | u * gelu'(g)], the backward's two factors (from the fp32 accumulators, each rounded once)."""
+    save_mode = _save_mode(save, deriv)
+    M, K = x.shape
+    N = w_gate.shape[0]
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    gu = torch.empty((M, 2 * N), dtype=x.dtype, device=x.device) if save else None
+    if M == 0 or N == 0:
+        return out, gu
+    if K == 0:
+        raise ValueError("gate_up_geglu: D = 0 is not supported by the fused kernel.")
+    cfg = config or choose_config(M, K, N, x.dtype, save)
+    g_view, u_view = (gu[:, :N], gu[:, N:]) if save else (out, out)
+    tensors = (x, w_gate, w_up, out, g_view, u_view)
+    use_tma = cfg.tma and tma_supported(x.device) and all(tma_aligned(t) for t in tensors)
+    layout = pair_layout(w_gate, w_up) if use_tma and cfg.pair else None
+    if layout is not None:
+        _launch_paired(x, layout, w_gate, out, g_view, u_view, tanh, save_mode, cfg)
+        return out, gu
+    if use_tma:
+        bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+        args = [_aot.Desc(t, t.shape, t.stride(), blk) for t, blk in
+                ((x, [bm, bk]), (w_gate, [bn, bk]), (w_up, [bn, bk]), (out, [bm, bn]), (g_view, [bm, bn]),
+                 (u_view, [bm, bn]))]
+    else:
+        args = list(tensors)
+    try:
+        _launch(args, M, N, K, x, w_gate, w_up, out, g_view, u_view, tanh, save_mode, use_tma, cfg)
+    except triton.runtime.errors.OutOfResources:
+        if config is not None or cfg.num_stages <= 2:
+            raise  # an explicit config (benchmarks, tests) reports its failure
+        # Too much shared memory for this device (e.g. the epilogue's store staging with save=True): retry with
+        # one pipeline stage fewer, down to 2, and remember the working choice for this (M bucket, D, H, dtype).
+        TUNED[(m_bucket(M), K, N, x.dtype, save)] = cfg._replace(num_stages=cfg.num_stages - 1)
+        return gate_up_geglu(x, w_gate, w_up, tanh, save, deriv=deriv)
+    return out, gu
+
+
+def run_gemm(kernel, grid, args, consts, cfg, device) -> None:
+    """The kernel's prebuilt binary for this launch where the variant ships one, else Triton's JIT (``args``: the
+    runtime arguments, host-side TMA descriptors as `runtime.aot.Desc`; ``consts``: the constexprs in order)."""
+    with torch.cuda.device(device) if device.type == "cuda" else NULL_CONTEXT:
+        if device.type == "cuda" and prebuilt(kernel, grid, args, consts, cfg.num_warps, cfg.num_stages,
+                                              device.index):
+            return
+        jit_args = [TensorDescriptor(a.base, a.shape, a.strides, a.block) if isinstance(a, _aot.Desc) else a
+                    for a in args]
+        kernel[grid](*jit_args, *consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
+
+
+def gate_up_consts(tanh, save, use_tma, cfg) -> tuple:
+    """The two-dot kernel's constexprs, in order."""
+    return (tanh, save, use_tma, INTERPRET, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.persistent,
+            cfg.flatten, cfg.fast_epi, K_BETA_TANH, K_KAPPA, K_ALPHA)
+
+
+def paired_consts(tanh, save, gate_first, cfg) -> tuple:
+    """The paired kernel's constexprs, in order."""
+    return (tanh, save, INTERPRET, gate_first, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.persistent,
+            cfg.flatten, cfg.fast_epi, K_BETA_TANH, K_KAPPA, K_ALPHA)
+
+
+def _grid(num_tiles: int, cfg: Config, device) -> tuple:
+    return (min(num_tiles, sm_count(device)) if cfg.persistent else num_tiles,)
+
+
+def _launch(args, M, N, K, x, w_gate, w_up, out, g_view, u_view, tanh, save, use_tma, cfg):
+    grid = _grid(triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), cfg, x.device)
+    strides = [x.stride(0), w_gate.stride(0), w_up.stride(0), out.stride(0), g_view.stride(0), u_view.stride(0)]
+    run_gemm(_gate_up_geglu_kernel, grid, [*args, M, N, K, *strides], gate_up_consts(tanh, save, use_tma, cfg), cfg,
+         x.device)
+
+
+_TMA_MAX_STRIDE = 1 << 40  # bytes: cuTensorMapEncodeTiled's limit on a global stride
+
+
+class PairLayout(NamedTuple):
+    base: torch.Tensor  # the weight at the lower address
+    outer_stride: int  # elements from that weight's start to the other's
+    gate_first: bool  # whether the base is the gate weight
+
+
+def pair_layout(w_gate: torch.Tensor, w_up: torch.Tensor) -> Optional[PairLayout]:
+    """The two weights as one strided 3-D tensor [2, H, D] for a TMA descriptor, without a copy; None when they
+    cannot be (different shapes, strides or dtypes, unaligned, overlapping or interleaved, or further apart than
+    TMA can stride)."""
+    if (w_gate.shape != w_up.shape or w_gate.stride() != w_up.stride() or w_gate.dtype != w_up.dtype
+            or w_gate.device != w_up.device or not (tma_aligned(w_gate) and tma_aligned(w_up))):
+        return None
+    delta = w_up.data_ptr() - w_gate.data_ptr()
+    base, gate_first = (w_gate, True) if delta > 0 else (w_up, False)
+    delta = abs(delta)
+    es = w_gate.element_size()
+    H, D = w_gate.shape
+    extent = ((H - 1) * w_gate.stride(0) + D) * es  # bytes one weight spans
+    # Planes that interleave (e.g. the two weights as alternate rows of one tensor) would make the outer stride
+    # smaller than a plane: not a layout TMA promises to take, so those pairs run the two-accumulator kernel.
+    if delta < extent or delta % 16 or delta >= _TMA_MAX_STRIDE:
+        return None
+    return PairLayout(base, delta // es, gate_first)
+
+
+def _launch_paired(x, layout: PairLayout, w_gate, out, g_view, u_view, tanh, save, cfg):
+    M, K = x.shape
+    N = w_gate.shape[0]
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    w_desc = _aot.Desc(layout.base, [2, N, K], [layout.outer_stride, w_gate.stride(0), 1], [2, bn, bk])
+    args = [_aot.Desc(t, t.shape, t.stride(), blk) for t, blk in
+            ((x, [bm, bk]), (out, [bm, bn]), (g_view, [bm, bn]), (u_view, [bm, bn]))]
+    args.insert(1, w_desc)
+    grid = _grid(triton.cdiv(M, bm) * triton.cdiv(N, bn), cfg, x.device)
+    run_gemm(_paired_gate_up_geglu_kernel, grid, [*args, M, N, K], paired_consts(tanh, save, layout.gate_first, cfg),
+             cfg, x.device)
+
+
+# The build (kerneltools.build.aot) compiles every launch listed here ahead of time, for sm_90 and newer (TMA tensor
+# descriptors; older GPUs run the JIT's pointer path); a launch it did not list runs Triton's JIT.
+PREBUILD_MIN_ARCH = 90
+
+
+def prebuild_launches() -> list:
+    """The inference and training tiles of both kernels, fp16 and bf16; sizes are never hinted."""
+    out = []
+    for dt in ("bf16", "fp16"):
+        for cfg, save, paired in ((inference_config(4096), 0, True), (LARGE, 1, True), (LARGE, 2, True),
+                                  (inference_config(4096), 0, False), (LARGE, 1, False), (LARGE, 2, False),
+                                  (inference_config(128), 0, False), (MEDIUM, 1, False), (MEDIUM, 2, False)):
+            bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+            sizes = [(n, "i32", False) for n in ("M", "N", "K")]
+            for tanh in (False, True):
+                if paired:
+                    args = [desc_arg("x_ptr", dt, [bm, bk]), desc_arg("w_ptr", dt, [2, bn, bk])] + [
+                        desc_arg(n, dt, [bm, bn]) for n in ("out_ptr", "g_ptr", "u_ptr")] + sizes
+                    for gate_first in (True, False):
+                        out.append(prebuild(_paired_gate_up_geglu_kernel, args,
+                                            paired_consts(tanh, save, gate_first, cfg), cfg.num_warps,
+                                            cfg.num_stages))
+                else:
+                    args = ([desc_arg("x_ptr", dt, [bm, bk]), desc_arg("wg_ptr", dt, [bn, bk]),
+                             desc_arg("wu_ptr", dt, [bn, bk])]
+                            + [desc_arg(n, dt, [bm, bn]) for n in ("out_ptr", "g_ptr", "u_ptr")] + sizes
+                            + [(n, "i32", False) for n in ("stride_x", "stride_wg", "stride_wu", "stride_o",
+                                                            "stride_g", "stride_u")])
+                    out.append(prebuild(_gate_up_geglu_kernel, args, gate_up_consts(tanh, save, True, cfg),
+                                        cfg.num_warps, cfg.num_stages))
+    return out

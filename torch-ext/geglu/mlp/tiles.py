@@ -1,0 +1,265 @@
+"""Triton kernels of the fused GeGLU MLP (the device code; configs and launcher: ``mlp.kernels``): one GEMM
+computes x @ Wg^T and x @ Wu^T into two fp32 accumulators per output tile and applies the GeGLU in its epilogue
+(see docs/fused-mlp.md).
+
+    h[M, H] = round(round(gelu(round(x @ Wg^T))) * round(x @ Wu^T))        (round = to the storage dtype, RNE)
+
+The epilogue is our pointwise forward (`runtime.gelu_math.gelu`, `round_to`, eager's constants and operation order,
+launched without FMA contraction), applied to the accumulators rounded to the storage dtype as eager's GEMMs store
+them: the result equals "cuBLAS-like GEMMs, then our pointwise kernel" up to the GEMMs' accumulation order. With
+``save=True`` (training) it also writes those rounded pre-activations, packed as ``gu[M, 2H] = [g | u]``, which is
+what the backward needs; with ``deriv`` (the ``fused_training`` setting) the backward's two factors gelu(g) and
+u * gelu'(g) instead.
+
+Weights are read in place in nn.Linear's layout (Wg, Wu: [H, D], unit stride on D): no packed copy, no extra
+memory. A program computes a BLOCK_M x BLOCK_N tile of h: per K step it loads one x tile [BLOCK_M, BLOCK_K] and
+one tile of each weight [BLOCK_N, BLOCK_K] (TMA tensor descriptors on sm_90 when the strides are 16-byte aligned,
+plain pointer loads otherwise), and issues two dots that share the x tile. The paired kernel (`Config.pair`, the
+default above 256 rows where `pair_layout` accepts the weights) does the same work with one dot: a single TMA box
+[2, BLOCK_N, BLOCK_K] over the two weights, seen as one strided 3-D tensor, loads both tiles into one
+[2 * BLOCK_N, BLOCK_K] operand, so each K step is one N = 256 wgmma that reads the x tile once (still in place, no
+copy; bit-equal to the two-dot kernel). Tiles are visited in GROUP_M-row groups (L2 reuse of the weight tiles);
+the grid is one program per tile, or persistent (one program per SM looping over tiles, optionally with Triton's
+loop flattening / warp specialisation).
+
+Configs are a small fixed set chosen per (M bucket, D, H, dtype, save) (`choose_config`); nothing is autotuned at
+call time. Under the Triton interpreter (CPU tensors) the dots run on fp32 copies of the tiles (the interpreter
+multiplies bf16 as integers); products of bf16/fp16 values are exact in fp32, so this is still an fp32-accumulated
+GEMM of the same inputs.
+"""
+
+import triton
+import triton.language as tl
+
+from ..runtime.gelu_math import INTERPRET, K_3KAPPA, K_BETA_ERF, gelu, gelu_grad, round_to
+
+
+if INTERPRET:
+    @triton.jit
+    def _fast_rcp(x):
+        return 1.0 / x
+
+    @triton.jit
+    def _fast_exp2(x):
+        return tl.exp2(x)
+else:
+    @triton.jit
+    def _fast_rcp(x):
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+
+    @triton.jit
+    def _fast_exp2(x):  # one MUFU.EX2 (tl.exp2's non-ftz form adds two multiplies for subnormal results)
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+
+
+@triton.jit
+def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Tile id -> (row block, column block), walking GROUP_M row blocks down each column before moving right, so
+    programs running together share weight tiles (and x tiles) in L2."""
+    tiles_per_group = GROUP_M * num_pid_n
+    group = tile_id // tiles_per_group
+    first_m = group * GROUP_M
+    rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    in_group = tile_id % tiles_per_group
+    return first_m + in_group % rows, in_group // rows
+
+
+# gelu' of the erf GELU in the SAVE = 2 epilogue (constexpr globals: the kernels' signatures stay as they are)
+_K_BETA_ERF = tl.constexpr(K_BETA_ERF)
+_K_3KAPPA = tl.constexpr(K_3KAPPA)
+
+
+@triton.jit
+def _tanh_gelu_sigmoid(x, K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr):
+    """s = sigmoid(2 * inner(x)) = (1 + tanh(inner)) / 2 of the tanh GELU (gelu = x * s: no cancellation near -1),
+    with the hardware exp2 and reciprocal approximations (~2 ulp in fp32, far below the bf16/fp16 rounding)."""
+    z = (2.0 * K_BETA_TANH * 1.4426950408889634) * x * tl.fma(x * x, K_KAPPA, 1.0)
+    return _fast_rcp(1.0 + tl.exp2(-z))
+
+
+@triton.jit
+def geglu_epilogue(acc_g, acc_u, T: tl.constexpr, TANH: tl.constexpr, SAVE: tl.constexpr, FAST_EPI: tl.constexpr,
+                    K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr):
+    """(h, g, u) of a tile from its fp32 gate and up accumulators, h in the storage dtype T. What g and u hold (for
+    training) depends on SAVE: 0 nothing, 1 the rounded pre-activations, 2 the backward's two factors gelu(g) and
+    u * gelu'(g) (so that the backward's dGeGLU is d_up = d_h * gelu(g), d_gate = d_h * (u * gelu'(g)): two products),
+    from the fp32 accumulators, each rounded once."""
+    if SAVE == 2:
+        x = acc_g
+        if FAST_EPI and TANH:  # gelu = x * s, gelu' = s + 2 kBeta x s (1 - s)(1 + 3 kKappa x^2)
+            s = _tanh_gelu_sigmoid(x, K_BETA_TANH, K_KAPPA)
+            h = x * s
+            gp = tl.fma((2.0 * K_BETA_TANH) * x * tl.fma(-s, s, s), tl.fma(x * x, _K_3KAPPA, 1.0), s)
+        else:
+            h = gelu(x, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA)
+            gp = gelu_grad(x, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA, _K_BETA_ERF, _K_3KAPPA)
+        return round_to(h * acc_u, T), round_to(h, T), round_to(acc_u * gp, T)
+    if FAST_EPI:
+        # The GeGLU of the fp32 accumulators, rounded once: fewer instructions per output than eager's
+        # formulation (an epilogue that is not overlapped with the next tile's main loop costs its full time).
+        if TANH:
+            h = acc_g * _tanh_gelu_sigmoid(acc_g, K_BETA_TANH, K_KAPPA)
+        else:
+            h = gelu(acc_g, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA)
+        y = round_to(h * acc_u, T)
+        if SAVE:
+            g = round_to(acc_g, T)
+            u = round_to(acc_u, T)
+        else:
+            g = y
+            u = y
+    else:
+        # The GEMM outputs as eager stores them (rounded to T), then our pointwise GeGLU with eager's rounding.
+        g = round_to(acc_g, T)
+        u = round_to(acc_u, T)
+        h = round_to(gelu(g.to(tl.float32), TANH, K_BETA_TANH, K_KAPPA, K_ALPHA), T).to(tl.float32)
+        y = round_to(h * u.to(tl.float32), T)
+    return y, g, u
+
+
+@triton.jit
+def _gate_up_tile(x_ptr, wg_ptr, wu_ptr, out_ptr, g_ptr, u_ptr, M, N, K,
+                  stride_x, stride_wg, stride_wu, stride_o, stride_g, stride_u, pid_m, pid_n,
+                  TANH: tl.constexpr, SAVE: tl.constexpr, TMA: tl.constexpr, DOT_F32: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FAST_EPI: tl.constexpr,
+                  K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr):
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    rows = off_m + tl.arange(0, BLOCK_M)
+    cols = off_n + tl.arange(0, BLOCK_N)
+    if TMA:
+        T = x_ptr.dtype
+    else:
+        T = x_ptr.dtype.element_ty
+        ks = tl.arange(0, BLOCK_K)
+        x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_x + ks[None, :]
+        wg_ptrs = wg_ptr + cols.to(tl.int64)[:, None] * stride_wg + ks[None, :]
+        wu_ptrs = wu_ptr + cols.to(tl.int64)[:, None] * stride_wu + ks[None, :]
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if TMA:
+            a = x_ptr.load([off_m, k * BLOCK_K])
+            bg = wg_ptr.load([off_n, k * BLOCK_K])
+            bu = wu_ptr.load([off_n, k * BLOCK_K])
+        else:
+            k_ok = (k * BLOCK_K + ks) < K
+            a = tl.load(x_ptrs, mask=(rows < M)[:, None] & k_ok[None, :], other=0.0)
+            bg = tl.load(wg_ptrs, mask=(cols < N)[:, None] & k_ok[None, :], other=0.0)
+            bu = tl.load(wu_ptrs, mask=(cols < N)[:, None] & k_ok[None, :], other=0.0)
+            x_ptrs += BLOCK_K
+            wg_ptrs += BLOCK_K
+            wu_ptrs += BLOCK_K
+        if DOT_F32:  # interpreter: exact products of the bf16/fp16 values, fp32 accumulation
+            a = a.to(tl.float32)
+            bg = bg.to(tl.float32)
+            bu = bu.to(tl.float32)
+            acc_g = tl.dot(a, bg.T, acc_g, input_precision="ieee")
+            acc_u = tl.dot(a, bu.T, acc_u, input_precision="ieee")
+        else:
+            acc_g = tl.dot(a, bg.T, acc_g)
+            acc_u = tl.dot(a, bu.T, acc_u)
+    y, g, u = geglu_epilogue(acc_g, acc_u, T, TANH, SAVE, FAST_EPI, K_BETA_TANH, K_KAPPA, K_ALPHA)
+    if TMA:
+        out_ptr.store([off_m, off_n], y)
+        if SAVE:
+            g_ptr.store([off_m, off_n], g)
+            u_ptr.store([off_m, off_n], u)
+    else:
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
+        r64 = rows.to(tl.int64)[:, None]
+        tl.store(out_ptr + r64 * stride_o + cols[None, :], y, mask=mask)
+        if SAVE:
+            tl.store(g_ptr + r64 * stride_g + cols[None, :], g, mask=mask)
+            tl.store(u_ptr + r64 * stride_u + cols[None, :], u, mask=mask)
+
+
+@triton.jit
+def _gate_up_geglu_kernel(x_ptr, wg_ptr, wu_ptr, out_ptr, g_ptr, u_ptr, M, N, K,
+                          stride_x, stride_wg, stride_wu, stride_o, stride_g, stride_u,
+                          TANH: tl.constexpr, SAVE: tl.constexpr, TMA: tl.constexpr, DOT_F32: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
+                          FAST_EPI: tl.constexpr,
+                          K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr):
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    if PERSISTENT:
+        num_tiles = num_pid_m * num_pid_n
+        for tile_id in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=FLATTEN):
+            pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+            _gate_up_tile(x_ptr, wg_ptr, wu_ptr, out_ptr, g_ptr, u_ptr, M, N, K,
+                          stride_x, stride_wg, stride_wu, stride_o, stride_g, stride_u, pid_m, pid_n,
+                          TANH, SAVE, TMA, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_K, FAST_EPI,
+                          K_BETA_TANH, K_KAPPA, K_ALPHA)
+    else:
+        pid_m, pid_n = _tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+        _gate_up_tile(x_ptr, wg_ptr, wu_ptr, out_ptr, g_ptr, u_ptr, M, N, K,
+                      stride_x, stride_wg, stride_wu, stride_o, stride_g, stride_u, pid_m, pid_n,
+                      TANH, SAVE, TMA, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_K, FAST_EPI,
+                      K_BETA_TANH, K_KAPPA, K_ALPHA)
+
+
+@triton.jit
+def split_halves(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Columns [0, BLOCK_N/2) and [BLOCK_N/2, BLOCK_N) of acc."""
+    return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+
+
+# --- paired weights: one N = 2 * BLOCK_N dot per K step over both weights, in place ---------------------------
+
+
+@triton.jit
+def _paired_tile(x_ptr, w_ptr, out_ptr, g_ptr, u_ptr, M, N, K, pid_m, pid_n,
+                 TANH: tl.constexpr, SAVE: tl.constexpr, DOT_F32: tl.constexpr, GATE_FIRST: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FAST_EPI: tl.constexpr,
+                 K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr):
+    """One [BLOCK_M, BLOCK_N] tile of h with one dot of N = 2 * BLOCK_N per K step (the widest wgmma; the x tile
+    read once per step): w is the two weights as one strided 3-D tensor [2, N, K] (`pair_layout`), the gate first
+    or the up weight first in memory, and a [2, BLOCK_N, BLOCK_K] box holds both weights' tiles. The accumulator's
+    column halves are the two products; in the wgmma accumulator layout a thread holds columns of both halves, so
+    the split is a register renaming (no shared-memory round trip)."""
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    T = x_ptr.dtype
+    acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        a = x_ptr.load([off_m, k * BLOCK_K])
+        b = tl.reshape(w_ptr.load([0, off_n, k * BLOCK_K]), (2 * BLOCK_N, BLOCK_K))
+        if DOT_F32:
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32).T, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b.T, acc)
+    if GATE_FIRST:
+        acc_g, acc_u = split_halves(acc, BLOCK_M, 2 * BLOCK_N)
+    else:
+        acc_u, acc_g = split_halves(acc, BLOCK_M, 2 * BLOCK_N)
+    y, g, u = geglu_epilogue(acc_g, acc_u, T, TANH, SAVE, FAST_EPI, K_BETA_TANH, K_KAPPA, K_ALPHA)
+    out_ptr.store([off_m, off_n], y)
+    if SAVE:
+        g_ptr.store([off_m, off_n], g)
+        u_ptr.store([off_m, off_n], u)
+
+
+@triton.jit
+def _paired_gate_up_geglu_kernel(x_ptr, w_ptr, out_ptr, g_ptr, u_ptr, M, N, K,
+                                 TANH: tl.constexpr, SAVE: tl.constexpr, DOT_F32: tl.constexpr,
+                                 GATE_FIRST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr,
+                                 FLATTEN: tl.constexpr, FAST_EPI: tl.constexpr,
+                                 K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr):
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    if PERSISTENT:
+        for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=FLATTEN):
+            pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+            _paired_tile(x_ptr, w_ptr, out_ptr, g_ptr, u_ptr, M, N, K, pid_m, pid_n, TANH, SAVE, DOT_F32, GATE_FIRST,
+                         BLOCK_M, BLOCK_N, BLOCK_K, FAST_EPI, K_BETA_TANH, K_KAPPA, K_ALPHA)
+    else:
+        pid_m, pid_n = _tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+        _paired_tile(x_ptr, w_ptr, out_ptr, g_ptr, u_ptr, M, N, K, pid_m, pid_n, TANH, SAVE, DOT_F32, GATE_FIRST,
+                     BLOCK_M, BLOCK_N, BLOCK_K, FAST_EPI, K_BETA_TANH, K_KAPPA, K_ALPHA)
+
+

@@ -1,0 +1,267 @@
+"""Triton GeGLU kernels (forward and backward, exact and tanh GELU, fp32/fp16/bf16).
+
+The forward is bit-identical to ``F.gelu(gate, approximate=...) * up`` on a GPU: the GELU (``runtime.gelu_math``)
+rounded to the storage dtype before the product, the product computed in fp32 and rounded.
+
+Layout: every tensor is 2-D `[M, N]` with an arbitrary row stride and a unit-stride last dim, so the halves of a
+packed `[M, 2N]` tensor and chunk views go in without a copy. Offsets are 64-bit. A program handles a
+BLOCK_M x BLOCK_N tile; the last dim is vectorised to 16-byte accesses whenever strides allow it (Triton
+specialises integer arguments divisible by 16). Contiguous operands take the flat kernels (one block of M*N).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ..runtime.gelu_math import (INTERPRET, K_3KAPPA, K_ALPHA, K_BETA_ERF, K_BETA_TANH, K_KAPPA,  # noqa: F401
+                                 gelu, gelu_grad, round_to)
+from ..runtime.launch import device_guard, launch, next_pow2, pow2_up_to, prebuild, sm_count
+
+_PLANS = {}
+
+@triton.jit
+def _geglu_fwd_kernel(gate_ptr, up_ptr, out_ptr, M, N, stride_g, stride_u, stride_o,
+                      TANH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    g = tl.load(gate_ptr + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0)
+    u = tl.load(up_ptr + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0)
+    h = gelu(g.to(tl.float32), TANH, K_BETA_TANH, K_KAPPA, K_ALPHA)
+    # eager: gelu() returns a tensor of the storage dtype, then mul computes in fp32 and rounds.
+    T = out_ptr.dtype.element_ty
+    h = round_to(h, T).to(tl.float32)
+    out = h * u.to(tl.float32)
+    tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], round_to(out, T), mask=mask)
+
+
+@triton.jit
+def _geglu_bwd_kernel(grad_ptr, gate_ptr, up_ptr, dg_ptr, du_ptr, M, N,
+                      stride_dy, stride_g, stride_u, stride_dg, stride_du,
+                      TANH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr,
+                      K_BETA_ERF: tl.constexpr, K_3KAPPA: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    dy = tl.load(grad_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(gate_ptr + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    T = dg_ptr.dtype.element_ty
+    # mul's backward: d_h = dy * up and d_up = dy * h, each rounded to the storage dtype (h as saved: rounded).
+    h = round_to(gelu(x, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA), T).to(tl.float32)
+    d_up = dy * h
+    d_h = round_to(dy * u, T).to(tl.float32)
+    # gelu_backward(d_h, x): fp32, rounded once.
+    d_gate = d_h * gelu_grad(x, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA)
+    tl.store(dg_ptr + rows[:, None] * stride_dg + cols[None, :], round_to(d_gate, T), mask=mask)
+    tl.store(du_ptr + rows[:, None] * stride_du + cols[None, :], round_to(d_up, T), mask=mask)
+
+
+@triton.jit
+def _geglu_fwd_flat_kernel(gate_ptr, up_ptr, out_ptr, n,
+                           TANH: tl.constexpr, BLOCK: tl.constexpr, EVEN: tl.constexpr, WIDE: tl.constexpr,
+                           K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr):
+    """The forward on contiguous tensors seen as one flat row of n elements: no row arithmetic, and no masks when
+    BLOCK divides n (EVEN). WIDE: 64-bit offsets (n >= 2^31)."""
+    pid = tl.program_id(0)
+    if WIDE:
+        pid = pid.to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    if EVEN:
+        g = tl.load(gate_ptr + offs)
+        u = tl.load(up_ptr + offs)
+    else:
+        mask = offs < n
+        g = tl.load(gate_ptr + offs, mask=mask, other=0.0)
+        u = tl.load(up_ptr + offs, mask=mask, other=0.0)
+    T = out_ptr.dtype.element_ty
+    h = round_to(gelu(g.to(tl.float32), TANH, K_BETA_TANH, K_KAPPA, K_ALPHA), T).to(tl.float32)
+    out = round_to(h * u.to(tl.float32), T)
+    if EVEN:
+        tl.store(out_ptr + offs, out)
+    else:
+        tl.store(out_ptr + offs, out, mask=mask)
+
+
+@triton.jit
+def _geglu_bwd_flat_kernel(grad_ptr, gate_ptr, up_ptr, dg_ptr, du_ptr, n,
+                           TANH: tl.constexpr, BLOCK: tl.constexpr, EVEN: tl.constexpr, WIDE: tl.constexpr,
+                           K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr,
+                           K_BETA_ERF: tl.constexpr, K_3KAPPA: tl.constexpr):
+    """The backward on contiguous tensors seen as one flat row (see _geglu_fwd_flat_kernel)."""
+    pid = tl.program_id(0)
+    if WIDE:
+        pid = pid.to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    if EVEN:
+        dy = tl.load(grad_ptr + offs).to(tl.float32)
+        x = tl.load(gate_ptr + offs).to(tl.float32)
+        u = tl.load(up_ptr + offs).to(tl.float32)
+    else:
+        mask = offs < n
+        dy = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    T = dg_ptr.dtype.element_ty
+    h = round_to(gelu(x, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA), T).to(tl.float32)
+    d_up = round_to(dy * h, T)
+    d_h = round_to(dy * u, T).to(tl.float32)
+    d_gate = round_to(d_h * gelu_grad(x, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA), T)
+    if EVEN:
+        tl.store(dg_ptr + offs, d_gate)
+        tl.store(du_ptr + offs, d_up)
+    else:
+        tl.store(dg_ptr + offs, d_gate, mask=mask)
+        tl.store(du_ptr + offs, d_up, mask=mask)
+
+
+
+
+def _tiles(M: int, N: int, element_size: int, device: torch.device, tensors: int):
+    """Tile shape and warps: 2 x 1024 tiles at 4 warps (16 elements a thread: two 16-byte vectors per tensor) for
+    2-byte dtypes; fp32 keeps the bytes per program. Narrower column tiles when the grid would not cover the SMs
+    twice."""
+    per_program = 2048 if element_size <= 2 else 1024
+    block_n = min(next_pow2(N), 1024)
+    block_m = max(1, min(next_pow2(M), per_program // block_n))
+    waves = 2 * sm_count(device)
+    while block_n > 128 and triton.cdiv(M, block_m) * triton.cdiv(N, block_n) < waves:
+        block_n //= 2
+    num_warps = 4 if block_m * block_n >= 1024 else 2 if block_m * block_n >= 256 else 1
+    return block_m, block_n, num_warps
+
+
+def _plan(M: int, N: int, t: torch.Tensor, tensors: int):
+    """(grid, tiles) cached per shape: the launch path runs at every call, decode included."""
+    key = (M, N, t.element_size(), t.device, tensors)
+    plan = _PLANS.get(key)
+    if plan is None:
+        block_m, block_n, num_warps = _tiles(M, N, t.element_size(), t.device, tensors)
+        plan = ((triton.cdiv(M, block_m), triton.cdiv(N, block_n)), block_m, block_n, num_warps)
+        if len(_PLANS) < 4096:
+            _PLANS[key] = plan
+    return plan
+
+
+# Flat kernels: (elements per program, warps) for 2-byte and 4-byte dtypes.
+FLAT_TILES = {2: (2048, 4), 4: (1024, 4)}
+
+
+def _flat_plan(n: int, t: torch.Tensor):
+    key = (n, t.element_size(), t.device, "flat")
+    plan = _PLANS.get(key)
+    if plan is None:
+        block, num_warps = FLAT_TILES[2 if t.element_size() <= 2 else 4]
+        sms = sm_count(t.device)
+        while block > 256 and triton.cdiv(n, block) < 2 * sms:
+            block //= 2
+            num_warps = max(1, min(num_warps, block // 256))
+        plan = ((triton.cdiv(n, block),), block, num_warps, n % block == 0, n >= 2**31 - block)
+        if len(_PLANS) < 4096:
+            _PLANS[key] = plan
+    return plan
+
+
+def _flat(M: int, N: int, *tensors: torch.Tensor) -> bool:
+    """All tensors are one contiguous block of M*N elements (rows follow each other without gaps)."""
+    if M == 1:
+        return True
+    for t in tensors:
+        if t.stride(0) != N:
+            return False
+    return True
+
+
+def geglu_fwd(out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, tanh: bool) -> None:
+    """out[M, N] = gelu(gate) * up on 2-D row-strided tensors (the caller validated them)."""
+    M, N = gate.shape
+    if M == 0 or N == 0:
+        return
+    consts_tail = (K_BETA_TANH, K_KAPPA, K_ALPHA)
+    with device_guard(gate):
+        if _flat(M, N, out, gate, up):
+            grid, block, num_warps, even, wide = _flat_plan(M * N, gate)
+            launch(_geglu_fwd_flat_kernel, grid, (gate, up, out, M * N), (tanh, block, even, wide) + consts_tail,
+                    num_warps, gate.device)
+            return
+        grid, block_m, block_n, num_warps = _plan(M, N, gate, 3)
+        launch(_geglu_fwd_kernel, grid, (gate, up, out, M, N, gate.stride(0), up.stride(0), out.stride(0)),
+                (tanh, block_m, block_n) + consts_tail, num_warps, gate.device)
+
+
+def geglu_bwd(d_gate: torch.Tensor, d_up: torch.Tensor, grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+              tanh: bool) -> None:
+    """d_gate, d_up from grad, gate, up (2-D row-strided; d_gate may alias gate and d_up alias up)."""
+    M, N = gate.shape
+    if M == 0 or N == 0:
+        return
+    consts_tail = (K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA)
+    with device_guard(gate):
+        if _flat(M, N, d_gate, d_up, grad, gate, up):
+            grid, block, num_warps, even, wide = _flat_plan(M * N, gate)
+            launch(_geglu_bwd_flat_kernel, grid, (grad, gate, up, d_gate, d_up, M * N),
+                    (tanh, block, even, wide) + consts_tail, num_warps, gate.device)
+            return
+        grid, block_m, block_n, num_warps = _plan(M, N, gate, 5)
+        launch(_geglu_bwd_kernel, grid,
+                (grad, gate, up, d_gate, d_up, M, N, grad.stride(0), gate.stride(0), up.stride(0), d_gate.stride(0),
+                 d_up.stride(0)),
+                (tanh, block_m, block_n) + consts_tail, num_warps, gate.device)
+
+
+# The build (kerneltools.build.aot) compiles every launch listed here ahead of time; a launch it did not list runs
+# Triton's JIT. The lists follow the plans above: change both together.
+PREBUILD_MIN_ARCH = 80
+
+
+def prebuild_launches() -> list:
+    """The flat kernels at every tile ``_flat_plan`` can choose, the row kernels at every tile ``_tiles`` can, for
+    each dtype and GELU flavour."""
+    out = []
+    kf = (K_BETA_TANH, K_KAPPA, K_ALPHA)
+    kb = kf + (K_BETA_ERF, K_3KAPPA)
+    for dt in ("bf16", "fp16", "fp32"):
+        es = 4 if dt == "fp32" else 2
+        block, warps = FLAT_TILES[es]
+        flat_plans = []
+        while True:
+            flat_plans.append((block, warps))
+            if block <= 256:
+                break
+            block //= 2
+            warps = max(1, min(warps, block // 256))
+        p = f"*{dt}"
+        per_program = 2048 if es <= 2 else 1024
+        for tanh in (False, True):
+            for block, warps in flat_plans:
+                for even in (True, False):
+                    for n_hint in ((True,) if even else (True, False)):
+                        out.append(prebuild(_geglu_fwd_flat_kernel,
+                                            [("gate_ptr", p, True), ("up_ptr", p, True), ("out_ptr", p, True),
+                                             ("n", "i32", n_hint)], (tanh, block, even, False) + kf, warps))
+                        out.append(prebuild(_geglu_bwd_flat_kernel,
+                                            [("grad_ptr", p, True), ("gate_ptr", p, True), ("up_ptr", p, True),
+                                             ("dg_ptr", p, True), ("du_ptr", p, True), ("n", "i32", n_hint)],
+                                            (tanh, block, even, False) + kb, warps))
+            for block_n in (128, 256, 512, 1024):
+                for block_m in pow2_up_to(per_program // block_n):
+                    warps = 4 if block_m * block_n >= 1024 else 2 if block_m * block_n >= 256 else 1
+                    out.append(prebuild(_geglu_fwd_kernel,
+                                        [("gate_ptr", p, True), ("up_ptr", p, True), ("out_ptr", p, True),
+                                         ("M", "i32", False), ("N", "i32", True), ("stride_g", "i32", True),
+                                         ("stride_u", "i32", True), ("stride_o", "i32", True)],
+                                        (tanh, block_m, block_n) + kf, warps))
+                    out.append(prebuild(_geglu_bwd_kernel,
+                                        [("grad_ptr", p, True), ("gate_ptr", p, True), ("up_ptr", p, True),
+                                         ("dg_ptr", p, True), ("du_ptr", p, True), ("M", "i32", False),
+                                         ("N", "i32", True)]
+                                        + [(s, "i32", True) for s in ("stride_dy", "stride_g", "stride_u",
+                                                                       "stride_dg", "stride_du")],
+                                        (tanh, block_m, block_n) + kb, warps))
+    return out

@@ -1,0 +1,160 @@
+"""Launching the package's Triton kernels: the prebuilt binary of this variant where there is one (``aot``),
+Triton's JIT otherwise, with the least host work per call.
+
+Public names: ``launch`` (a kernel launch by that path), ``prebuilt`` (the prebuilt binary alone, for launchers
+that pass tensor descriptors), ``device_guard``, ``sm_count``, ``next_pow2``, ``NULL_CONTEXT``.
+"""
+
+import torch
+import triton
+
+from . import aot as _aot
+from . import config as _config
+from .gelu_math import INTERPRET
+
+_SM_COUNT = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """The device's multiprocessor count (what the plans size grids by); 8 for CPU tensors under the interpreter, so
+    that persistent kernels loop over several tiles at test sizes."""
+    if device.type != "cuda":
+        return 8
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def next_pow2(n: int) -> int:
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
+# --- launching -----------------------------------------------------------------------------------------------------
+# A launch runs the kernel this variant ships prebuilt for the device's architecture where there is one (``aot``: no
+# compilation on the user's machine), else Triton's JIT. JITFunction's launch path binds and specialises every
+# argument in Python on every call (tens of µs of host time, more than the kernel at small sizes): the first JIT
+# launch for a specialisation goes through Triton (which compiles and caches the kernel), later ones call that
+# compiled kernel's launcher directly. The key is at least as fine as Triton's specialisation (pointer dtype and
+# 16-byte alignment; integer divisibility by 16, == 1 and width), plus the constexprs, warps and device. Any
+# surprise from a Triton version (a missing attribute, another launcher signature) turns the direct JIT path off
+# for the process and leaves Triton's own launch.
+
+_DIRECT_LAUNCH = {}
+_direct_ok = not INTERPRET
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _spec(a):
+    if isinstance(a, int):
+        return a % 16 == 0, a == 1, -(2**31) <= a < 2**31, 0 <= a < 2**63
+    if isinstance(a, float):
+        return float
+    if isinstance(a, _aot.Desc):
+        return a.base.dtype, tuple(a.block)
+    return a.dtype, a.data_ptr() % 16 == 0
+
+
+def _hook_active(hook) -> bool:
+    # Triton >= 3.5 keeps a HookChain (never None; empty unless a profiler added a hook); older ones None or a function
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return bool(calls) if calls is not None else True
+
+
+def _hooks_set() -> bool:
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    return runtime is None or _hook_active(runtime.launch_enter_hook) or _hook_active(runtime.launch_exit_hook)
+
+
+_PREBUILT = {}  # launch key -> the prebuilt kernel's run, or None (none for that launch)
+
+
+def clear_caches() -> None:
+    """Forget every launch looked up so far (the next launches look up their kernels again)."""
+    _DIRECT_LAUNCH.clear()
+    _PREBUILT.clear()
+
+
+def prebuilt(fn, grid, args, consts, num_warps: int, num_stages: int, device_index: int) -> bool:
+    """Launch ``fn``'s prebuilt kernel for these arguments on the current stream; False when this variant has none
+    for the device (the caller then uses Triton's JIT). The lookup is remembered per launch key (as `_launch`'s)."""
+    if INTERPRET:
+        return False
+    key = (fn, num_warps, num_stages, device_index, consts, _config.current.prebuilt) + tuple(_spec(a) for a in args)
+    run = _PREBUILT.get(key, False)
+    if run is False:
+        run = _aot.find(fn.__name__, args, consts, num_warps, num_stages, device_index)
+        if len(_PREBUILT) < 4096:
+            _PREBUILT[key] = run
+    if run is None:
+        return False
+    run(grid, args, _raw_stream(device_index))
+    return True
+
+
+def launch(fn, grid, args, consts, num_warps: int, device: torch.device) -> None:
+    """fn[grid](*args, *consts, num_warps=num_warps, enable_fp_fusion=False), the launch path described above.
+    ``args``: the kernel's runtime arguments in order; ``consts``: its constexprs in order, after them."""
+    global _direct_ok
+    key = None
+    if not INTERPRET:
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        key = (fn, num_warps, idx, consts, _config.current.prebuilt) + tuple(_spec(a) for a in args)
+        hit = _DIRECT_LAUNCH.get(key)
+        if hit is not None:
+            run, function, meta = hit
+            if function is None:  # prebuilt
+                run(grid, args, _raw_stream(idx))
+                return
+            if not _hooks_set():
+                run(grid[0], grid[1] if len(grid) > 1 else 1, 1, _raw_stream(idx), function, meta, None, None, None,
+                    *args, *consts)
+                return
+        else:
+            aot = _aot.find(fn.__name__, args, consts, num_warps, 3, idx)
+            if aot is not None:
+                _DIRECT_LAUNCH[key] = (aot, None, None)
+                aot(grid, args, _raw_stream(idx))
+                return
+    compiled = fn[grid](*args, *consts, num_warps=num_warps, enable_fp_fusion=False)
+    if key is not None and _direct_ok:
+        try:
+            _DIRECT_LAUNCH[key] = (compiled.run, compiled.function, compiled.packed_metadata)
+        except Exception:  # another Triton's CompiledKernel: keep its own launch path
+            _direct_ok = False
+
+
+def device_guard(t: torch.Tensor):
+    """Triton launches on the current device: switch only when the tensors live elsewhere (the switch costs
+    more than a decode-sized kernel)."""
+    if t.device.type == "cuda" and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return NULL_CONTEXT
+
+
+class _NullContext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+NULL_CONTEXT = _NullContext()
+
+
+def pow2_up_to(n: int):
+    """1, 2, 4, ... up to ``n``: the tile sizes a plan can choose."""
+    v = 1
+    while v <= n:
+        yield v
+        v *= 2
+
+
+def prebuild(fn, args, consts, num_warps: int, num_stages: int = 3) -> dict:
+    """One entry of a kernel module's ``prebuild_launches()``: the kernel, its runtime arguments in order as
+    ``(name, signature type, hinted)`` (hinted: 16-byte aligned pointer or integer divisible by 16, as Triton's JIT
+    would specialise an aligned launch), its constexprs in order, warps and stages."""
+    return dict(fn=fn.__name__, args=list(args), consts=list(consts), num_warps=num_warps, num_stages=num_stages)
