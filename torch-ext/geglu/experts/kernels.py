@@ -31,8 +31,7 @@ from ..mlp.kernels import INTERPRETER, Config, run_gemm, tma_aligned, tma_suppor
 from ..mlp.tiles import geglu_epilogue, split_halves
 from ..runtime import aot as _aot
 from ..runtime.gelu_math import INTERPRET, K_ALPHA, K_BETA_TANH, K_KAPPA
-from ..runtime.aot import desc_arg
-from ..runtime.launch import prebuild, sm_count
+from ..runtime.launch import desc_arg, prebuild, sm_count
 
 
 @triton.jit

@@ -10,9 +10,8 @@ import torch
 import triton
 
 from ..runtime import aot as _aot
-from ..runtime.aot import desc_arg
 from ..runtime.gelu_math import INTERPRET, K_ALPHA, K_BETA_TANH, K_KAPPA
-from ..runtime.launch import NULL_CONTEXT, prebuild, prebuilt, sm_count
+from ..runtime.launch import NULL_CONTEXT, desc_arg, prebuild, prebuilt, sm_count
 from .tiles import _gate_up_geglu_kernel, _paired_gate_up_geglu_kernel
 
 try:  # host-side TMA descriptors (triton >= 3.4)

@@ -398,8 +398,3 @@ def _launcher(entry: dict, function: int):
 
 
 __all__ = ["Desc", "find", "info", "architectures", "serving_arch", "arg_type", "arg_hint", "key"]
-
-
-def desc_arg(name: str, dtype: str, block) -> tuple:
-    """A TMA tensor-descriptor argument of a ``prebuild_launches()`` entry (never hinted)."""
-    return (name, f"tensordesc<{dtype}[{', '.join(map(str, block))}]>", False)

@@ -79,7 +79,7 @@ def clear_caches() -> None:
 
 def prebuilt(fn, grid, args, consts, num_warps: int, num_stages: int, device_index: int) -> bool:
     """Launch ``fn``'s prebuilt kernel for these arguments on the current stream; False when this variant has none
-    for the device (the caller then uses Triton's JIT). The lookup is remembered per launch key (as `_launch`'s)."""
+    for the device (the caller then uses Triton's JIT). The lookup is remembered per launch key (as `launch`'s)."""
     if INTERPRET:
         return False
     key = (fn, num_warps, num_stages, device_index, consts, _config.current.prebuilt) + tuple(_spec(a) for a in args)
@@ -158,3 +158,8 @@ def prebuild(fn, args, consts, num_warps: int, num_stages: int = 3) -> dict:
     ``(name, signature type, hinted)`` (hinted: 16-byte aligned pointer or integer divisible by 16, as Triton's JIT
     would specialise an aligned launch), its constexprs in order, warps and stages."""
     return dict(fn=fn.__name__, args=list(args), consts=list(consts), num_warps=num_warps, num_stages=num_stages)
+
+
+def desc_arg(name: str, dtype: str, block) -> tuple:
+    """A TMA tensor-descriptor argument of a ``prebuild_launches()`` entry (never hinted)."""
+    return (name, f"tensordesc<{dtype}[{', '.join(map(str, block))}]>", False)
