@@ -177,7 +177,7 @@ def _fused_backward_dgeglu(kt, ws, dy2: Tensor, w_down: Tensor, g: Tensor, u: Te
     (in place, d_g then lives in u's buffer and d_u in g's; or into ``out``)."""
     dy2 = dy2.contiguous()
     w_down = w_down.contiguous()
-    if ws is not None and dy2.shape[0] and all(kt._aligned(t) for t in (dy2, w_down, g, u, *(out or ()))):
+    if ws is not None and dy2.shape[0] and all(kt.tma_aligned(t) for t in (dy2, w_down, g, u, *(out or ()))):
         with torch.cuda.device(dy2.device):
             ws.down_dgeglu_ws(dy2, w_down, g, u, is_tanh(approximate), deriv=True, out=out)
         return out if out is not None else (g, u)
