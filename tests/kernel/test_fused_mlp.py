@@ -288,6 +288,38 @@ def test_saved_derivative_factors(kt, dtype, approximate, fast_epi):
         assert worst <= 1.0, f"{name}: worst element {worst:.3g} x the bound"
 
 
+def test_fused_backward_dispatch_to_the_gluon_kernel_or_the_products(geglu, monkeypatch):
+    """The fused training backward's choice, on CPU tensors with a stand-in for the Gluon module: aligned operands
+    go to ``down_dgeglu_ws`` (written over g and u), an unaligned dY to cuBLAS's d_h and the two products."""
+    import contextlib
+
+    train = _training(geglu)
+    kt = importlib.import_module(geglu.__name__ + ".mlp.kernels")
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    calls = []
+
+    class Gluon:
+        @staticmethod
+        def down_dgeglu_ws(dy, w, g, u, tanh, deriv, out):
+            calls.append((dy.shape, w.shape, tanh, deriv, out))
+
+    M, D, H = 32, 16, 24
+
+    def randn(*shape):
+        return torch.randn(*shape).to(torch.bfloat16)
+
+    dy, wd, g, u = randn(M, D), randn(D, H), randn(M, H), randn(M, H)
+    assert train._fused_backward_dgeglu(kt, Gluon, dy, wd, g, u, "tanh") == (g, u)
+    assert calls == [((M, D), (D, H), True, True, None)]
+    buf = randn(M * D + 1)
+    unaligned = buf[1:].view(M, D)  # a 2-byte offset: TMA cannot read it
+    assert not kt.tma_aligned(unaligned)
+    g0, u0 = g.clone(), u.clone()
+    d_g, d_u = train._fused_backward_dgeglu(kt, Gluon, unaligned, wd, g, u, "none")
+    d_h = torch.mm(unaligned, wd)
+    assert len(calls) == 1 and torch.equal(d_g, u0 * d_h) and torch.equal(d_u, g0 * d_h)
+
+
 def test_packed_gradient_view(geglu):
     """`_packed` sees [d_g | d_u] as one [M, 2H] tensor only when they are the column halves of one buffer, in that
     order (then dW_gate and dW_up are one GEMM); separate buffers or the halves swapped give None."""
