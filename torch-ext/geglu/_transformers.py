@@ -1,48 +1,16 @@
-"""The transformers integration, shipped with the kernel: which transformers classes this kernel's layers replace,
-and the call that maps them for ``kernels.kernelize``.
+"""The transformers integration, shipped with the kernel: :func:`register_transformers` maps every supported
+transformers class (``_transformer_classes``) to this kernel's layers for ``kernels.kernelize``;
+:func:`transformers_kernel_config` gives transformers' own ``KernelConfig`` route (GPU models)::
 
-transformers marks none of its GeGLU MLP classes for kernel replacement, so kernelize alone does nothing to them.
-After ``geglu = kernels.get_kernel("geglu-kernels/geglu", version=1)``, one call makes the connection::
-
-    geglu.register_transformers()                # every supported class -> this kernel's layers, cuda and cpu
-    model = AutoModelForCausalLM.from_pretrained("google/gemma-2-2b").cuda()
+    geglu = kernels.get_kernel("geglu-kernels/geglu", version=1)
+    geglu.register_transformers()                   # cuda and cpu; register before building a MoE model
     kernels.kernelize(model, mode=Mode.INFERENCE)   # or Mode.TRAINING, optionally | Mode.TORCH_COMPILE
 
-transformers' own switch, ``from_pretrained(..., use_kernels=True)`` (the default from transformers 5.25), then
-kernelizes with this mapping on any device; its KernelConfig route (GPU models; transformers refuses KernelConfig
-on CPU) takes::
-
-    model.set_use_kernels(True, geglu.transformers_kernel_config(model))
-
-This module imports torch and the package's own ``_activations`` when loaded; ``kernels`` and ``transformers`` only
-when one of its functions runs, so the kernel still loads where they are not installed. It works with kernels
-0.17.2-0.19.x and transformers 5.22.2-5.25.x (the range the repository's CI runs).
-
-What :func:`register_transformers` does:
-
-1. ``kernels.replace_kernel_forward_from_hub(cls, key)`` for every supported class of :data:`GEGLU_CLASSES` that
-   the installed transformers has (others are skipped), with a condition that leaves a module alone when its
-   activation is not a GELU the kernel computes (a Gemma configured with ``hidden_act="relu"``, a gated-ReLU T5):
-   such a module keeps its own forward.
-2. A kernel mapping from each key to a repository of the layer for Mode.INFERENCE, Mode.TRAINING and both with
-   Mode.TORCH_COMPILE, on each requested device: by default ``LocalLayerRepository`` on this loaded kernel's own
-   folder (the very build that ``get_kernel`` or ``get_locked_kernel`` returned: same commit, no second download),
-   or, with ``repo_id=``, ``LayerRepository(repo_id, version=|revision=)`` / ``LockedLayerRepository(lockfile=)``.
-   It is registered globally with ``kernels.register_kernel_mapping`` (``register=False`` only returns it, for
-   ``kernels.use_kernel_mapping``).
-3. :data:`GEGLU_CLASSES`, :data:`NORM_CLASSES` and :data:`ROPE_CLASSES`: every GeGLU class, Gemma RMSNorm and Gemma
-   rotary embedding of transformers with its status (the repository's docs and tests read them).
-
-MoE experts (``Gemma4TextExperts``, ``DiffusionGemmaTextExperts``) keep transformers' ``@use_experts_implementation``
-dispatch. Their ``_apply_gate``, which the grouped_mm and batched_mm implementations call between the two grouped
-GEMMs, becomes a call of a gate layer (:class:`ExpertsGate`, around :func:`experts_gate`), one per experts module,
-mapped to the layer ``GeGLUExpertsGate``; the class itself gets the layer ``GeGLUExperts``, which runs the eager
-implementation's loop with the packed gate and calls the class's own forward (the dispatch) for every other
-implementation. Register before building a MoE model.
-
-The keys are ``"geglu.<Layer>"``, not the bare layer names: transformers' own default mapping, which
-``from_pretrained(use_kernels=True)`` and ``set_use_kernels`` register again on every call, has a ``"GeGLUMLP"``
-entry for cuda pointing at Liger's tanh-only GEGLU kernels, which would replace ours under that key.
+Each class gets the key ``"geglu.<Layer>"`` (transformers' default mapping owns ``"GeGLUMLP"`` and would replace
+ours under it) and a condition that leaves a module with a non-GELU activation, or a forward something else
+replaced, alone; MoE experts keep transformers' experts dispatch, their ``_apply_gate`` routed through a gate
+layer. Imports torch and ``_activations`` when loaded, ``kernels`` and ``transformers`` only when a function runs;
+kernels 0.17.2-0.19.x, transformers 5.22.2-5.25.x. docs/transformers.md describes the mapping in full.
 """
 
 from __future__ import annotations
