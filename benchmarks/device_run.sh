@@ -14,6 +14,8 @@
 #   coldnoarch  the cold-start benchmark, eager against the kernelized model loaded from torch-cuda alone
 #   ptxas       build/'s prebuilt cubins (CUDA 12.9's ptxas) against build-ptxas13's (CUDA 13's), one process
 #   rule        where the fused gate/up GEMM wins (the measurement behind the shipped rule)
+#   callcost    each op's host cost per call: build-before/'s compiled variant (another commit, built the same way)
+#               against build/'s, with an A/A copy (benchmarks/call_cost.py --device cuda)
 #   tools       the GPU tests of the tooling (transformers models, the kernels Benchmark workloads)
 #   model       the whole-model benchmark (MODEL_ARGS: extra options, e.g. "--model all --rounds 3")
 #   pointwise   the pointwise kernels against eager, torch.compile and Liger, with the autograd rows
@@ -60,6 +62,10 @@ for s in "$@"; do
     ptxas) step ptxas 200 python3 benchmarks/prebuilt_ptxas.py --build-dir build \
         --other build-ptxas13 --out "$OUT" ;;
     rule) step rule 300 python3 -m kerneltools.bench.fused_rule --build-dir build --out "$OUT" ;;
+    callcost) step callcost 300 python3 benchmarks/call_cost.py --device cuda --out "$OUT/call-cost" \
+        --build before="$(ls -d build-before/torch-stable-abi*/ | head -1)" \
+        --build after="$(ls -d build/torch-stable-abi*/ | head -1)" \
+        --build before-copy="$(ls -d build-before/torch-stable-abi*/ | head -1)" ;;
     tools) step tools 400 python3 -m pytest tests/tools/test_transformers_kernelize.py \
         tests/tools/test_kernels_benchmark.py -q -p no:cacheprovider ;;
     model) step model 560 python3 -m kerneltools bench --build-dir build --out "$OUT/model" ${MODEL_ARGS:---model all} ;;
