@@ -19,7 +19,8 @@ from urllib.parse import quote, urlsplit
 import pytest
 from huggingface_hub import CommitOperationAdd, HfApi
 
-from toolhelpers import TRUSTED_ORG, commit_ndjson, file_item, raw_request, repo_dir, repo_state
+from toolhelpers import (TRUSTED_ORG, commit_ndjson, connect, file_item, raw_request, repo_dir, repo_state,
+                         serve_hub_with_v1)
 from kerneltools.hub import serve_hub
 
 REPO = f"{TRUSTED_ORG}/abuse"
@@ -33,12 +34,7 @@ HEADER_TIMEOUT = 1.0
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
     args = ["--timeout", 5, "--header-timeout", HEADER_TIMEOUT, "--max-connections", MAX_CONNECTIONS]
-    with serve_hub(tmp_path_factory.mktemp("abuse") / "hub", server_args=args) as h:
-        api = HfApi(endpoint=h.url, token=h.token)
-        api.create_repo(REPO, **K)
-        api.create_branch(REPO, branch="v1", **K)
-        api.create_commit(REPO, operations=[CommitOperationAdd("a.py", b"A = 1\n")], commit_message="v1",
-                          revision="v1", **K)
+    with serve_hub_with_v1(tmp_path_factory.mktemp("abuse") / "hub", REPO, args) as h:
         yield h
     assert "Traceback" not in h.log_path.read_text(errors="replace")  # no request ever crashed a handler
 
@@ -60,9 +56,7 @@ def _error(data: bytes) -> str:
     return json.loads(data)["error"]
 
 
-def _connect(hub, timeout: float = 10) -> socket.socket:
-    u = urlsplit(hub.url)
-    return socket.create_connection((u.hostname, u.port), timeout=timeout)
+_connect = connect
 
 
 def _read_reply(s: socket.socket) -> bytes:

@@ -17,8 +17,8 @@ import pytest
 from huggingface_hub import CommitOperationAdd, HfApi
 from huggingface_hub.errors import HfHubHTTPError
 
-from toolhelpers import TRUSTED_ORG, commit_ndjson, file_item, git, raw_request, repo_dir, repo_state
-from kerneltools.hub import serve_hub
+from toolhelpers import (TRUSTED_ORG, commit_ndjson, connect, file_item, git, raw_request, repo_dir, repo_state,
+                         serve_hub_with_v1)
 
 REPO = f"{TRUSTED_ORG}/tiny"
 K = dict(repo_type="kernel")
@@ -29,12 +29,7 @@ MAX_CONNECTIONS = 8
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
     args = ["--timeout", TIMEOUT, "--max-connections", MAX_CONNECTIONS, "--stale-lock-seconds", 0.5]
-    with serve_hub(tmp_path_factory.mktemp("limits") / "hub", server_args=args) as h:
-        api = HfApi(endpoint=h.url, token=h.token)
-        api.create_repo(REPO, **K)
-        api.create_branch(REPO, branch="v1", **K)
-        api.create_commit(REPO, operations=[CommitOperationAdd("a.py", b"A = 1\n")], commit_message="v1",
-                          revision="v1", **K)
+    with serve_hub_with_v1(tmp_path_factory.mktemp("limits") / "hub", REPO, args) as h:
         yield h
 
 
@@ -50,9 +45,7 @@ def unchanged(hub):
     assert repo_state(hub, REPO) == before
 
 
-def _connect(hub) -> socket.socket:
-    u = urlsplit(hub.url)
-    return socket.create_connection((u.hostname, u.port), timeout=10)
+_connect = connect
 
 
 def _head(hub, extra: str, path: str = f"/api/kernels/{REPO}/commit/v1") -> bytes:

@@ -172,6 +172,36 @@ def raw_request(hub_url: str, method: str, path: str, body: bytes | None = None,
         conn.close()
 
 
+def connect(hub, timeout: float = 10):
+    """A raw TCP connection to the Hub server (for requests no HTTP client would send)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    u = urlsplit(hub.url)
+    return socket.create_connection((u.hostname, u.port), timeout=timeout)
+
+
+def serve_hub_with_v1(root: Path, repo_id: str, server_args: list):
+    """A loopback Hub (``serve_hub``) holding the kernel repo ``repo_id`` with a branch ``v1`` of one file."""
+    from contextlib import contextmanager
+
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    from kerneltools.hub import serve_hub
+
+    @contextmanager
+    def served():
+        with serve_hub(root, server_args=server_args) as h:
+            api, k = HfApi(endpoint=h.url, token=h.token), dict(repo_type="kernel")
+            api.create_repo(repo_id, **k)
+            api.create_branch(repo_id, branch="v1", **k)
+            api.create_commit(repo_id, operations=[CommitOperationAdd("a.py", b"A = 1\n")], commit_message="v1",
+                              revision="v1", **k)
+            yield h
+
+    return served()
+
+
 def repo_state(hub, repo_id: str, repo_type: str = "kernel") -> str:
     """Refs of the bare repo, after checking it is consistent (git fsck)."""
     d = repo_dir(hub, repo_id, repo_type)
