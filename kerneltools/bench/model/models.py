@@ -66,36 +66,27 @@ def _gemma2(tiny: bool):
                         attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=256)
 
 
-def _t5(tiny: bool):
-    from transformers import T5Config
+def _t5_v11(d_model: int, d_ff: int, layers: int, heads: int):
+    """A T5 v1.1-shaped config of these sizes (gated-GELU feed-forward, d_kv 64, untied embeddings); the tiny
+    config for every size."""
 
-    if tiny:
-        return T5Config(d_model=64, d_ff=160, num_layers=2, num_decoder_layers=2, num_heads=2, d_kv=32,
-                        vocab_size=256, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+    def config(tiny: bool):
+        from transformers import T5Config
+
+        if tiny:
+            return T5Config(d_model=64, d_ff=160, num_layers=2, num_decoder_layers=2, num_heads=2, d_kv=32,
+                            vocab_size=256, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+                            decoder_start_token_id=0)
+        return T5Config(d_model=d_model, d_ff=d_ff, num_layers=layers, num_decoder_layers=layers, num_heads=heads,
+                        d_kv=64, vocab_size=32128, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
                         decoder_start_token_id=0)
-    return T5Config(d_model=768, d_ff=2048, num_layers=12, num_decoder_layers=12, num_heads=12, d_kv=64,
-                    vocab_size=32128, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
-                    decoder_start_token_id=0)
+
+    return config
 
 
-def _t5_large(tiny: bool):
-    from transformers import T5Config
-
-    if tiny:
-        return _t5(True)
-    return T5Config(d_model=1024, d_ff=2816, num_layers=24, num_decoder_layers=24, num_heads=16, d_kv=64,
-                    vocab_size=32128, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
-                    decoder_start_token_id=0)
-
-
-def _flan_t5_xl(tiny: bool):
-    from transformers import T5Config
-
-    if tiny:
-        return _t5(True)
-    return T5Config(d_model=2048, d_ff=5120, num_layers=24, num_decoder_layers=24, num_heads=32, d_kv=64,
-                    vocab_size=32128, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
-                    decoder_start_token_id=0)
+_t5 = _t5_v11(768, 2048, 12, 12)
+_t5_large = _t5_v11(1024, 2816, 24, 16)
+_flan_t5_xl = _t5_v11(2048, 5120, 24, 32)
 
 
 def _modernbert(tiny: bool):
