@@ -546,12 +546,14 @@ def _through(mod, scale=None):
 
 
 @pytest.mark.parametrize("approximate", APPROX)
-def test_compiled_layer_runs_the_ops_fullgraph_with_eager_modes_results(geglu, fused, fresh_decisions, approximate):
-    """torch.compile(fullgraph=True) of the layer: its graph calls the inference op without a gradient (no other
-    computation of its own) and, with one, the host's ops (linear, GELU, product, linear: no op of ours); the
-    results equal the same layer in eager mode bit for bit (the op makes the eager mode's run-time choices; the
-    host's ops run as traced here), forward and every gradient."""
+def test_compiled_layer_runs_the_ops_fullgraph_with_eager_modes_results(geglu, fused, fresh_decisions, approximate,
+                                                                        monkeypatch):
+    """torch.compile(fullgraph=True) of the layer where the fused path may run for its rows: its graph calls the
+    inference op without a gradient (no other computation of its own) and, with one, the host's ops (linear, GELU,
+    product, linear: no op of ours); the results equal the same layer in eager mode bit for bit (the op makes the
+    eager mode's run-time choices; the host's ops run as traced here), forward and every gradient."""
     mlp = fresh_decisions
+    _rule_from(mlp, monkeypatch, rows=1)
     m, x = _layer(geglu, 32, 48, torch.bfloat16, approximate)
     torch._dynamo.reset()
     graphs = []
@@ -568,6 +570,51 @@ def test_compiled_layer_runs_the_ops_fullgraph_with_eager_modes_results(geglu, f
     ref = _run(_through(m), x, *_weights(m), approximate)
     _assert_equal(ours, ref, f"compiled training {approximate}")
     assert ns is None or ns
+
+
+def _rule_from(mlp, monkeypatch, rows):
+    """The fused path from ``rows`` rows on: the shipped rule of this GPU's architecture (CUDA), the decode bound
+    (CPU, where the interpreter's fused kernel has no shipped rule)."""
+    if HAS_CUDA:
+        monkeypatch.setitem(mlp.FUSED_RULES, torch.cuda.get_device_capability()[0], dict(min_m=rows, min_work=0))
+    else:
+        monkeypatch.setattr(mlp, "DECODE_MAX_M", rows - 1)
+
+
+def test_compiled_inference_calls_the_op_only_where_the_rule_may_fuse(geglu, fused, fresh_decisions, monkeypatch):
+    """Under torch.compile (default dynamic shapes, as a server meets prompt lengths) the graph is the host's ops
+    below the rule's rows, which Inductor compiles as for the unkernelized model, and the fused MLP's op from them
+    on: one guard on the symbolic row count, so one graph serves each side and lengths met again recompile nothing.
+    Every call gives the eager layer's bits. fp32, or the ``fused_mlp`` setting off, never call the op."""
+    mlp = fresh_decisions
+    _rule_from(mlp, monkeypatch, rows=64)
+    m, _ = _layer(geglu, 32, 48, torch.bfloat16, "tanh")
+    torch._dynamo.reset()
+    graphs = []
+    f = torch.compile(m, backend=_graphs_backend(graphs))
+    gen = torch.Generator().manual_seed(11)
+    calls = {}
+    with torch.no_grad():
+        for M in (16, 24, 96, 130, 63, 64, 40):
+            x = torch.randn(M, 32, generator=gen).to(DEVICE, torch.bfloat16)
+            before = len(graphs)
+            assert torch.equal(f(x), m(x)), M
+            calls[M] = len(graphs) - before
+    has_op = [any(t.endswith("geglu_mlp.default") for t in _ops_in([g])) for g in graphs]
+    # 16: a static graph; 24: the dynamic graph below the rule; 96: the dynamic graph from the rule on
+    assert has_op == [False, False, True], [sorted(_ops_in([g])) for g in graphs]
+    assert calls == {16: 1, 24: 1, 96: 1, 130: 0, 63: 0, 64: 0, 40: 0}, calls
+    for dtype, setting in ((torch.float32, True), (torch.bfloat16, False)):
+        restore = geglu.configure(fused_mlp=setting)
+        try:
+            m32, x = _layer(geglu, 32, 48, dtype, "tanh", M=128)
+            torch._dynamo.reset()
+            graphs.clear()
+            with torch.no_grad():  # the host's ops against our kernel (fp32 under the interpreter: its erf and tanh)
+                torch.testing.assert_close(torch.compile(m32, backend=_graphs_backend(graphs))(x), m32(x))
+            assert graphs and not any("geglu" in t for t in _ops_in(graphs)), (dtype, setting, _ops_in(graphs))
+        finally:
+            restore.__exit__()
 
 
 class _HostMLP(torch.nn.Module):

@@ -200,11 +200,12 @@ def _compiled(build_dir) -> dict:
     return _COMPILED
 
 
-def test_compiled_graph_is_the_hosts_but_for_the_fused_mlp(build_dir):
-    """Under torch.compile a kernelized model traces to the host's graph op for op and in its order, except that
-    each Gemma MLP (GeGLUMLP over plain projections) is one fused-MLP op of ours in place of its projections and
-    GeGLU, and the rotary embedding's cos and sin one op per table: the pointwise layers (T5, ModernBERT) and the norms run the host's math there, which Inductor fuses. (In
-    a fresh process: building the models registers the kernel mapping and points LOCAL_KERNELS at the build.)"""
+def test_compiled_graph_is_the_hosts_but_for_the_rope_op(build_dir):
+    """Under torch.compile a kernelized model traces to the host's graph op for op and in its order, except that the
+    Gemma rotary embedding's cos and sin are one op per table. The pointwise layers (T5, ModernBERT) and the norms
+    run the host's math there, and so does GeGLUMLP where its fused path cannot run (here: fp32 on CPU), all of
+    which Inductor fuses (tests/kernel/test_fused_mlp.py checks the MLP op where the fused path may run). (In a
+    fresh process: building the models registers the kernel mapping and points LOCAL_KERNELS at the build.)"""
     import collections
 
     res = _compiled(build_dir)
@@ -214,14 +215,12 @@ def test_compiled_graph_is_the_hosts_but_for_the_fused_mlp(build_dir):
             continue
         host, ours = collections.Counter(res[name]["eager"]["ops"]), collections.Counter(res[name]["kernelized"]["ops"])
         mine = {op.split(".")[-2]: n for op, n in ours.items() if "_geglu_" in op}  # ns.name.default
-        mlps = res[name]["layers"]
         ropes = mine.pop("rope_cos_sin", 0)
-        assert mine == {"geglu_mlp": mlps} and ropes >= 1, (mine, ropes)
-        # each MLP's three projections and its GeGLU (gelu, mul) are what the MLP op replaced; each rotary table's
-        # position product, cat and two scalings (cos and sin are methods, not functions) what the RoPE op replaced,
-        # whose pair of outputs adds a getitem
+        assert mine == {} and ropes >= 1, (mine, ropes)
+        # each rotary table's position product, cat and two scalings (cos and sin are methods, not functions) are
+        # what the RoPE op replaced, whose pair of outputs adds a getitem
         added = set(ours - host) - {op for op in ours if "_geglu_" in op}
-        assert sum((host - ours).values()) == 5 * mlps + 4 * ropes and added == {"<built-in function getitem>"}, \
+        assert sum((host - ours).values()) == 4 * ropes and added == {"<built-in function getitem>"}, \
             (host - ours, ours - host)
 
 

@@ -223,24 +223,20 @@ def test_training_gradients_match_eager(reports, family):
     _assert_grads(family, r["grads"])
 
 
-def _assert_compiled_path(c, train=False):
-    """One graph (fullgraph: no break). Without a gradient the fused MLP (GeGLUMLP over plain projections) is one op
-    of ours that runs the kernel; a training step of it (``train``) and every other layer compile to the host's
-    math (no op of ours in the graph, the kernel never called), which Inductor fuses with its neighbours."""
+def _assert_compiled_path(c):
+    """One graph (fullgraph: no break), and the host's math in it: no op of ours, the kernel never called. On CPU
+    (these tiny fp32 models) no layer has a kernel Inductor lacks: the pointwise layers and the norms run the host's
+    math under compile, and GeGLUMLP does where its fused gate/up GEMM cannot run (tests/kernel/test_fused_mlp.py
+    checks its op where it can), so Inductor fuses the GeGLU with its neighbours as for the unkernelized model."""
     assert c["graphs"] == 1, c
-    if c["expect_op"] and not train:
-        assert c["kernel_ops"] == 1 and c["mlp_ops"] == 1, c["ops"]
-        assert c["calls"] == {"fwd": 1, "bwd": 0}, c
-    else:
-        assert c["kernel_ops"] == 0, c["ops"]
-        assert c["calls"] == {"fwd": 0, "bwd": 0}, c
+    assert c["kernel_ops"] == 0, c["ops"]
+    assert c["calls"] == {"fwd": 0, "bwd": 0}, c
 
 
 @pytest.mark.parametrize("family", list(W.FAMILIES))
 def test_compiled_mlp_has_no_graph_break(reports, family):
     r = _ok(reports["full"]["families"][family])
     c = r["compile"]
-    assert c["expect_op"] == (r["layer"] == "GeGLUMLP")  # every family's GeGLUMLP has plain projections
     _assert_compiled_path(c)
     _assert_matches(family, "compiled MLP output", c["out"])
 
@@ -284,7 +280,7 @@ def test_host_module_forward_backward_compile(reports, key):
     _assert_matches(key, "compiled output", c["out"])
     if "compile_train" in r:
         ct = r["compile_train"]
-        _assert_compiled_path(ct, train=True)
+        _assert_compiled_path(ct)
         _assert_grads(key, ct["grads"])
 
 

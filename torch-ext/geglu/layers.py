@@ -65,9 +65,9 @@ class GeGLUMLP(nn.Module):
     (``mlp.ops.geglu_mlp``): a training step is one autograd node with eager's output and gradients bit for bit and at
     most three [M, H] activation buffers in its backward (eager: four); inference at prefill sizes takes the fused
     gate/up GEMM (the GeGLU in its epilogue: more accurate than eager, not its bits) where it measures faster on the
-    device (setting ``fused_mlp``, ``GEGLU_FUSED_MLP=0`` turns it off). Under torch.compile inference is a custom op
-    that makes every shape-dependent choice when it runs, and a training step traces the host's ops (our training
-    op's GEMMs measured slower there than Inductor's). ``GEGLU_FUSED_TRAINING=1`` (setting
+    device (setting ``fused_mlp``, ``GEGLU_FUSED_MLP=0`` turns it off). Under torch.compile inference is the fused op
+    where the shipped rule lets the fused GEMM run for the rows (one guard on the symbolic row count) and the host's
+    ops elsewhere, and a training step traces the host's ops: Inductor compiles those as for the unkernelized model. ``GEGLU_FUSED_TRAINING=1`` (setting
     ``fused_training``) gives the training step, eager or compiled, the fused kernels where the Gluon backward runs
     (sm_90): not eager's bits, more accurate.
     """

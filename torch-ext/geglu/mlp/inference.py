@@ -5,7 +5,7 @@ torch.compile, tracing and tensor subclasses (the choice is made inside the op w
 shape guards of its own).
 """
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -104,6 +104,39 @@ def fused_rule(M: int, D: int, H: int, device: torch.device) -> bool:
     return _backend.shipped_rule(FUSED_RULES, device, min_m=M, min_work=M * D * H)
 
 
+@torch.compiler.assume_constant_result
+def _traced_rule(dtype: torch.dtype, device: torch.device) -> Optional[Tuple[int, float]]:
+    """(least rows, least M * D * H) from which the inference op may take the fused path for tensors of this dtype on
+    this device, or None where it never does. Under torch.compile this is read once, when a graph is traced (no
+    guard): a later change of the ``fused_mlp`` or ``backend`` setting holds for graphs traced after it."""
+    if not _config.current.fused_mlp or dtype not in _LOW:
+        return None
+    if device.type == "cuda":
+        rule = FUSED_RULES.get(_backend.capability_major(device))
+        return None if rule is None else (max(rule["min_m"], DECODE_MAX_M + 1), rule["min_work"])
+    if device.type == "cpu" and _config.current.backend == "triton":  # the Triton interpreter (tests)
+        try:
+            return (DECODE_MAX_M + 1, 0.0) if _kernels().INTERPRET else None
+        except ImportError:
+            return None
+    return None
+
+
+def traced_op(x: Tensor, w_gate: Tensor) -> bool:
+    """Under torch.compile, without a gradient: whether the graph calls :func:`geglu_mlp_op`, because the fused
+    gate/up GEMM may run for x's rows (the ``fused_mlp`` setting, fp16/bf16, a device with a shipped rule, rows and
+    work at or above it). Elsewhere the op would run eager's GEMMs around the pointwise kernel, which Inductor does
+    itself from the host's ops (the same GPU work, fused with the neighbours) for less host time per call. With
+    dynamic shapes the comparison is a guard on the symbolic row count: each graph serves the lengths on one side of
+    the rule."""
+    rule = _traced_rule(x.dtype, x.device)
+    if rule is None or x.dim() < 2 or w_gate.dim() != 2:
+        return False
+    H, D = w_gate.shape
+    M = x.numel() // max(D, 1)
+    return M >= rule[0] and M * D * H >= rule[1]
+
+
 def _fused_inference(x, w_gate, w_up, w_down, approximate) -> Optional[Tensor]:
     D = x.shape[-1]
     if x.dim() < 2 or x.numel() <= DECODE_MAX_M * D:
@@ -172,4 +205,4 @@ def _rows(x: Tensor) -> int:
     return n
 
 
-__all__ = ["inference", "regular", "fused_rule", "fused_kernel_applies", "geglu_mlp_op", "DECODE_MAX_M", "FUSED_RULES"]
+__all__ = ["inference", "regular", "fused_rule", "fused_kernel_applies", "geglu_mlp_op", "traced_op", "DECODE_MAX_M", "FUSED_RULES"]

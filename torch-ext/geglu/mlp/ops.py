@@ -9,9 +9,13 @@
 * **Eager training**: one autograd node, :class:`GeGLUMLPFunction` (below). Small CUDA steps (under
   ``runtime.backend.NODE_EAGER_BELOW`` [M, H] elements) are host-bound and run PyTorch's own ops with the host's
   activation instead: a Python node costs the host more than eager's C++ nodes.
-* **torch.compile, tracing, tensor subclasses**: the custom ops ``geglu_mlp`` (inference) and ``geglu_mlp_train`` /
-  ``geglu_mlp_train_backward`` (training), with fake implementations. Every shape-dependent choice above (decode
-  size, fused or not) is made inside the ops when they run, so the traced graph has no shape guards of its own.
+* **torch.compile**: inference calls the op ``geglu_mlp`` where the fused path may run for the rows
+  (``inference.traced_op``: the shipped rule, one guard on the symbolic row count), and the host's ops elsewhere,
+  which Inductor compiles as it compiles the unkernelized model; a training step traces the host's ops, or with
+  the ``fused_training`` setting the fused training ops.
+* **Tracing, functorch transforms, tensor subclasses**: the custom ops ``geglu_mlp`` (inference) and
+  ``geglu_mlp_train`` / ``geglu_mlp_train_backward`` (training), with fake implementations; the op makes every
+  shape-dependent choice (decode size, fused or not) when it runs.
 
 The training step's node and operators are in ``mlp.training``, the inference path and its operator in
 ``mlp.inference``.
@@ -22,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..runtime import backend as _backend
-from .inference import geglu_mlp_op, inference
+from .inference import geglu_mlp_op, inference, traced_op
 from .training import (_apply, geglu_mlp_train, geglu_mlp_train_fused, host_bound, node_applies,
                        traced_fused_training)
 
@@ -50,6 +54,8 @@ def geglu_mlp(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, approxima
             # Inductor's fused pointwise pass (docs/fused-mlp.md).
             return _host(x, w_gate, w_up, w_down, approximate, act)
         return geglu_mlp_train(x, w_gate, w_up, w_down, approximate)[0]
+    if torch.compiler.is_compiling() and not traced_op(x, w_gate):
+        return _host(x, w_gate, w_up, w_down, approximate, act)
     return geglu_mlp_op(x, w_gate, w_up, w_down, approximate)
 
 
