@@ -13,10 +13,11 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
+from ._ops import add_op_namespace_prefix
 from .runtime import library as _library
 
 
-@_library.op("rope_cos_sin")
+@_library.op(add_op_namespace_prefix("rope_cos_sin"))
 def rope_cos_sin(position_ids: Tensor, inv_freq: Tensor, attention_scaling: float,
                  dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
     """``cos(emb) * attention_scaling`` and ``sin(emb) * attention_scaling`` in ``dtype``, with ``emb`` the

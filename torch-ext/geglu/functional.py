@@ -1,10 +1,10 @@
 """The public functions. Each validates its input and runs a torch.library op, so it works under
 torch.compile(fullgraph=True), in eager mode and with autograd, on CUDA (compiled library or Triton) and CPU.
 
-Plain eager calls take a fast path straight to the implementation (the same code the ops run), skipping the
-dispatcher's Python round trips; with a gradient to record, through an autograd.Function with the ops' backward
-(``runtime.backend.call_mode`` decides). It matters at decode and small-batch sizes, where a call is a few µs of GPU
-time."""
+Two routes per function: the op, and for plain eager calls the op's own implementation, straight (no gradient to
+record; the compiled library's C entry first) or through the op's autograd formula as an ``autograd.Function``
+(``runtime.backend.call_mode`` decides). It skips the dispatcher's Python round trips, which matters at decode and
+small-batch sizes, where a call is a few µs of GPU time."""
 
 from typing import Optional
 
@@ -21,8 +21,6 @@ from .runtime.checks import check_packed, check_split
 from ._ops import ops
 
 _grad_enabled = torch.is_grad_enabled
-_empty_like = torch.empty_like
-_contiguous = torch.contiguous_format
 _mode = _backend.call_mode
 _OP, _PLAIN, _AUTOGRAD = _backend.OP, _backend.PLAIN, _backend.AUTOGRAD
 _lean_fwd = _direct.lean_fwd if _direct.AVAILABLE else None
@@ -54,22 +52,19 @@ def geglu(gate: Tensor, up: Tensor, approximate: str = "none", *, out: Optional[
             # a host-bound CUDA step with a gradient (see _backend.AUTOGRAD_EAGER_BELOW): eager's own ops, with the
             # fewest checks in front of them
             return F.gelu(gate, approximate=approximate) * up
-        if _lean_fwd is not None:
+        if _lean_fwd is not None:  # the implementation's C entry, for the common plain call (None: any other)
             res = _lean_fwd(gate, up, approximate)
             if res is not None:
                 return res
         mode = _mode(gate, up)
+        if mode == _OP:
+            return ops.geglu.default(gate, up, approximate, inplace_backward)
+        check_split(gate, up, approximate)
         if mode == _PLAIN:
-            check_split(gate, up, approximate)
-            res = _empty_like(gate, memory_format=_contiguous)
-            _impl.forward_into(res, gate, up, approximate, True)
-            return res
-        if mode == _AUTOGRAD:
-            check_split(gate, up, approximate)
-            if gate.is_cuda and _backend.eager_autograd(gate.numel()):
-                return F.gelu(gate, approximate=approximate) * up
-            return _impl.eager_geglu(gate, up, approximate, inplace_backward)
-        return ops.geglu.default(gate, up, approximate, inplace_backward)
+            return _impl.new_output(gate, up, approximate)
+        if gate.is_cuda and _backend.eager_autograd(gate.numel()):
+            return F.gelu(gate, approximate=approximate) * up
+        return _impl.apply_geglu(gate, up, approximate, inplace_backward)
     if not isinstance(out, Tensor):
         raise TypeError(f"geglu: out must be a torch.Tensor (or None), got {type(out).__name__}.")
     if _mode(gate, up, out) == _PLAIN:
@@ -95,19 +90,15 @@ def geglu_packed(x: Tensor, approximate: str = "none", *, act_first: bool = True
         gate, up = _impl.packed_halves(x, act_first)
         return geglu(gate, up, approximate, out=out)
     mode = _mode(x)
+    if mode == _OP:
+        return ops.geglu_packed.default(x, approximate, act_first, inplace_backward)
+    d = check_packed(x, approximate)
     if mode == _PLAIN:
-        d = check_packed(x, approximate)
-        res = torch.empty(x.shape[:-1] + (d,), dtype=x.dtype, device=x.device)
+        return _impl.new_packed_output(x, approximate, act_first, d)
+    if x.is_cuda and _backend.eager_autograd(x.numel() // 2):
         gate, up = _impl.packed_halves(x, act_first)
-        _impl.forward_into(res, gate, up, approximate, True)
-        return res
-    if mode == _AUTOGRAD:
-        if x.is_cuda and _backend.eager_autograd(x.numel() // 2):
-            check_packed(x, approximate)
-            gate, up = _impl.packed_halves(x, act_first)
-            return F.gelu(gate, approximate=approximate) * up
-        return _impl.eager_geglu_packed(x, approximate, act_first, inplace_backward)
-    return ops.geglu_packed.default(x, approximate, act_first, inplace_backward)
+        return F.gelu(gate, approximate=approximate) * up
+    return _impl.apply_geglu_packed(x, approximate, act_first, inplace_backward)
 
 
 def gelu_and_mul(out: Tensor, x: Tensor) -> Tensor:

@@ -16,6 +16,7 @@ from ..runtime import backend as _backend
 from ..runtime import config as _config
 from ..runtime import direct as _direct
 from ..runtime import library as _library
+from .._ops import add_op_namespace_prefix
 from ..runtime.checks import check_approximate, is_tanh
 
 # M <= DECODE_MAX_M rows: cuBLAS + the pointwise kernel (the fused kernel's smallest tile is 64 rows, and decode is
@@ -23,17 +24,8 @@ from ..runtime.checks import check_approximate, is_tanh
 DECODE_MAX_M = 64
 _LOW = (torch.float16, torch.bfloat16)
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-_kernels_mod = None
-
-
-def _kernels():
-    """The fused gate/up GEMM's module (imports triton: only when a fused kernel may run)."""
-    global _kernels_mod
-    if _kernels_mod is None:
-        from . import kernels as mod
-
-        _kernels_mod = mod
-    return _kernels_mod
+# the fused gate/up GEMM's module (imports triton: only when a fused kernel may run)
+_kernels = _backend.lazy_module(".kernels", __package__)
 
 
 def _gluon_backward(dev: torch.device):
@@ -185,7 +177,7 @@ def _check(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, approximate:
                          "(nn.Linear(H, D_out).weight).")
 
 
-@_library.op("geglu_mlp")
+@_library.op(add_op_namespace_prefix("geglu_mlp"))
 def geglu_mlp_op(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, approximate: str) -> Tensor:
     """The MLP forward without a gradient (:func:`inference`: the fused path's choice is made here, at run time)."""
     _check(x, w_gate, w_up, w_down, approximate)

@@ -34,6 +34,7 @@ from ..pointwise import ops as _pw
 from ..runtime import backend as _backend
 from ..runtime import config as _config
 from ..runtime import library as _library
+from .._ops import add_op_namespace_prefix
 from ..runtime.checks import is_tanh
 from .inference import _FLOATS, _LOW, _check, _gluon_backward, _kernels, _rows, _unit_last, fused_kernel_applies
 
@@ -232,7 +233,7 @@ _apply = super(torch.autograd.Function, GeGLUMLPFunction).apply
 # --- operators --------------------------------------------------------------------------------------------------------
 
 
-@_library.op("geglu_mlp_train")
+@_library.op(add_op_namespace_prefix("geglu_mlp_train"))
 def geglu_mlp_train(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
                     approximate: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """The training forward: (y, g, u, h), with g, u, h [M, H] the activations the backward needs (the default
@@ -258,7 +259,7 @@ def _(x, w_gate, w_up, w_down, approximate):
 _EMPTY = (0,)
 
 
-@_library.op("geglu_mlp_train_backward")
+@_library.op(add_op_namespace_prefix("geglu_mlp_train_backward"))
 def geglu_mlp_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, g: Tensor,
                              u: Tensor, h: Tensor, approximate: str, need_x: bool, need_wg: bool, need_wu: bool,
                              need_wd: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -321,7 +322,7 @@ geglu_mlp_train.register_autograd(_train_backward_with(geglu_mlp_train_backward)
 # --- the fused training step under torch.compile (the ``fused_training`` setting) --------------------------------
 
 
-@_library.op("geglu_mlp_train_fused")
+@_library.op(add_op_namespace_prefix("geglu_mlp_train_fused"))
 def geglu_mlp_train_fused(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
                           approximate: str) -> Tuple[Tensor, Tensor, Tensor]:
     """The fused training forward: (y, gu, h) with gu [M, 2H]. Where the fused step applies to these rows
@@ -349,7 +350,7 @@ def _(x, w_gate, w_up, w_down, approximate):
     return x.new_empty(x.shape[:-1] + (w_down.shape[0],)), x.new_empty((M, 2 * H)), x.new_empty((M, H))
 
 
-@_library.op("geglu_mlp_train_fused_backward")
+@_library.op(add_op_namespace_prefix("geglu_mlp_train_fused_backward"))
 def geglu_mlp_train_fused_backward(dy: Tensor, x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, gu: Tensor,
                                    h: Tensor, approximate: str, need_x: bool, need_wg: bool, need_wu: bool,
                                    need_wd: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -1,7 +1,11 @@
-"""torch.library custom ops (namespace from `_ops.add_op_namespace_prefix`), each with a fake implementation and,
-for the functional forms, autograd; so `torch.compile(fullgraph=True)` sees them as opaque ops and
-`torch.library.opcheck` passes. The real implementations pick the compiled CUDA library, Triton or the CPU
-implementation per call (see `runtime.backend`)."""
+"""The GeGLU operators (``_ops.add_op_namespace_prefix`` names) and their one autograd formula.
+
+Every op has a fake implementation, so ``torch.compile(fullgraph=True)`` sees it as an opaque op and
+``torch.library.opcheck`` passes. The functional forms' autograd is written once, as :class:`GeGLUFunction` and
+:class:`GeGLUPackedFunction`: plain eager calls apply them (``runtime.library.fast_apply``), and the ops register
+their ``setup_context`` and backward. The backward runs the implementation for plain tensors and the backward ops
+where the call is traced or holds tensor subclasses. The implementations pick the compiled CUDA library (its C
+entry first, ``runtime.direct``), Triton or the CPU implementation per call (``runtime.backend``)."""
 
 from typing import Tuple
 
@@ -9,21 +13,13 @@ import torch
 from torch import Tensor
 
 from ..runtime import backend as _backend
-from . import cpu as _cpu
 from ..runtime import direct as _direct
 from ..runtime.checks import check_backward, check_packed, check_split, is_tanh
+from ..runtime.library import fast_apply, op
 from .._ops import add_op_namespace_prefix, ops
+from . import cpu as _cpu
 
-_triton_mod = None
-
-
-def _triton():
-    global _triton_mod
-    if _triton_mod is None:
-        from . import kernels as mod
-
-        _triton_mod = mod
-    return _triton_mod
+_triton = _backend.lazy_module(".kernels", __package__)
 
 
 # --- 2-D row views --------------------------------------------------------------------------------------------
@@ -130,12 +126,28 @@ def _viewable(t: Tensor, d: int) -> bool:
 # --- forward ops ------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op(add_op_namespace_prefix("geglu"), mutates_args=())
-def geglu(gate: Tensor, up: Tensor, approximate: str, inplace_backward: bool) -> Tensor:
-    check_split(gate, up, approximate)
-    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+_empty_like, _contiguous = torch.empty_like, torch.contiguous_format
+
+
+def new_output(gate: Tensor, up: Tensor, approximate: str) -> Tensor:
+    """``gelu(gate) * up`` in a new contiguous tensor, for validated inputs (``check_split``)."""
+    out = _empty_like(gate, memory_format=_contiguous)
     forward_into(out, gate, up, approximate, True)
     return out
+
+
+def new_packed_output(x: Tensor, approximate: str, act_first: bool, d: int) -> Tensor:
+    """The packed form of :func:`new_output`, for a validated ``x`` (``d = check_packed(x, approximate)``)."""
+    out = torch.empty(x.shape[:-1] + (d,), dtype=x.dtype, device=x.device)
+    gate, up = packed_halves(x, act_first)
+    forward_into(out, gate, up, approximate, True)
+    return out
+
+
+@op(add_op_namespace_prefix("geglu"))
+def geglu(gate: Tensor, up: Tensor, approximate: str, inplace_backward: bool) -> Tensor:
+    check_split(gate, up, approximate)
+    return new_output(gate, up, approximate)
 
 
 @geglu.register_fake
@@ -144,13 +156,9 @@ def _(gate, up, approximate, inplace_backward):
     return torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
 
 
-@torch.library.custom_op(add_op_namespace_prefix("geglu_packed"), mutates_args=())
+@op(add_op_namespace_prefix("geglu_packed"))
 def geglu_packed(x: Tensor, approximate: str, act_first: bool, inplace_backward: bool) -> Tensor:
-    d = check_packed(x, approximate)
-    out = torch.empty(x.shape[:-1] + (d,), dtype=x.dtype, device=x.device)
-    gate, up = packed_halves(x, act_first)
-    forward_into(out, gate, up, approximate, True)
-    return out
+    return new_packed_output(x, approximate, act_first, check_packed(x, approximate))
 
 
 @geglu_packed.register_fake
@@ -159,7 +167,7 @@ def _(x, approximate, act_first, inplace_backward):
     return torch.empty(x.shape[:-1] + (d,), dtype=x.dtype, device=x.device)
 
 
-@torch.library.custom_op(add_op_namespace_prefix("geglu_out"), mutates_args=("out",))
+@op(add_op_namespace_prefix("geglu_out"), mutates_args=("out",))
 def geglu_out(out: Tensor, gate: Tensor, up: Tensor, approximate: str) -> None:
     check_split(gate, up, approximate, out)
     forward_into(out, gate, up, approximate)
@@ -208,7 +216,7 @@ def packed_backward_inplace(grad: Tensor, x: Tensor, approximate: str, act_first
     backward_into(gate, up, grad, gate, up, approximate)
 
 
-@torch.library.custom_op(add_op_namespace_prefix("geglu_backward"), mutates_args=())
+@op(add_op_namespace_prefix("geglu_backward"))
 def geglu_backward(grad: Tensor, gate: Tensor, up: Tensor, approximate: str) -> Tuple[Tensor, Tensor]:
     return backward_new(grad, gate, up, approximate)
 
@@ -220,7 +228,7 @@ def _(grad, gate, up, approximate):
             torch.empty(gate.shape, dtype=gate.dtype, device=gate.device))
 
 
-@torch.library.custom_op(add_op_namespace_prefix("geglu_backward_"), mutates_args=("gate", "up"))
+@op(add_op_namespace_prefix("geglu_backward_"), mutates_args=("gate", "up"))
 def geglu_backward_(grad: Tensor, gate: Tensor, up: Tensor, approximate: str) -> None:
     """In-place backward: d_gate is written over gate and d_up over up."""
     backward_inplace(grad, gate, up, approximate)
@@ -231,7 +239,7 @@ def _(grad, gate, up, approximate):
     check_backward(grad, gate, up, approximate)
 
 
-@torch.library.custom_op(add_op_namespace_prefix("geglu_packed_backward"), mutates_args=())
+@op(add_op_namespace_prefix("geglu_packed_backward"))
 def geglu_packed_backward(grad: Tensor, x: Tensor, approximate: str, act_first: bool) -> Tensor:
     return packed_backward_new(grad, x, approximate, act_first)
 
@@ -244,7 +252,7 @@ def _(grad, x, approximate, act_first):
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
-@torch.library.custom_op(add_op_namespace_prefix("geglu_packed_backward_"), mutates_args=("x",))
+@op(add_op_namespace_prefix("geglu_packed_backward_"), mutates_args=("x",))
 def geglu_packed_backward_(grad: Tensor, x: Tensor, approximate: str, act_first: bool) -> None:
     """In-place packed backward: the gradient w.r.t. x is written over x."""
     packed_backward_inplace(grad, x, approximate, act_first)
@@ -257,14 +265,7 @@ def _(grad, x, approximate, act_first):
     check_backward(grad, gate, up, approximate)
 
 
-# --- autograd ---------------------------------------------------------------------------------------------------
-
-
-def _setup_split(ctx, inputs, output):
-    gate, up, approximate, inplace_backward = inputs
-    ctx.save_for_backward(gate, up)
-    ctx.approximate = approximate
-    ctx.inplace_backward = inplace_backward
+# --- autograd -------------------------------------------------------------------------------------------------
 
 
 def _contiguous_last_dim(grad: Tensor) -> Tensor:
@@ -287,97 +288,70 @@ def _inplace_ok(*tensors: Tensor, packed: bool = False) -> bool:
     return len(set(placements)) == 1 and all(getattr(t, "placements", None) == placements for t in tensors[1:])
 
 
+def _eager(*tensors: Tensor) -> bool:
+    """The backward runs the implementation (plain tensors, nothing traced), not the backward ops."""
+    return _backend.call_mode(*tensors) != _backend.OP
+
+
 def _backward_split(ctx, grad):
-    grad = _contiguous_last_dim(grad)
     gate, up = ctx.saved_tensors
-    if ctx.inplace_backward and _inplace_ok(grad, gate, up):
-        geglu_backward_(grad, gate, up, ctx.approximate)
+    approximate, inplace = ctx.approximate, ctx.inplace_backward
+    eager = _eager(grad, gate, up)
+    if eager and _DIRECT:
+        grads = _direct.lean_bwd(grad, gate, up, is_tanh(approximate), inplace)
+        if grads is not None:
+            return grads[0], grads[1], None, None
+    grad = _contiguous_last_dim(grad)
+    if inplace and _inplace_ok(grad, gate, up):
+        (backward_inplace if eager else geglu_backward_)(grad, gate, up, approximate)
         return gate, up, None, None
-    d_gate, d_up = geglu_backward(grad, gate, up, ctx.approximate)
+    d_gate, d_up = (backward_new if eager else geglu_backward)(grad, gate, up, approximate)
     return d_gate, d_up, None, None
 
 
-geglu.register_autograd(_backward_split, setup_context=_setup_split)
-
-
-def _setup_packed(ctx, inputs, output):
-    x, approximate, act_first, inplace_backward = inputs
-    ctx.save_for_backward(x)
-    ctx.approximate = approximate
-    ctx.act_first = act_first
-    ctx.inplace_backward = inplace_backward
-
-
 def _backward_packed(ctx, grad):
-    grad = _contiguous_last_dim(grad)
     (x,) = ctx.saved_tensors
+    approximate, act_first = ctx.approximate, ctx.act_first
+    eager = _eager(grad, x)
+    grad = _contiguous_last_dim(grad)
     if ctx.inplace_backward and _inplace_ok(grad, x, packed=True):
-        geglu_packed_backward_(grad, x, ctx.approximate, ctx.act_first)
+        (packed_backward_inplace if eager else geglu_packed_backward_)(grad, x, approximate, act_first)
         return x, None, None, None
-    return geglu_packed_backward(grad, x, ctx.approximate, ctx.act_first), None, None, None
+    dx = (packed_backward_new if eager else geglu_packed_backward)(grad, x, approximate, act_first)
+    return dx, None, None, None
 
 
-geglu_packed.register_autograd(_backward_packed, setup_context=_setup_packed)
+class GeGLUFunction(torch.autograd.Function):
+    """``geglu``'s autograd: the forward for validated inputs (``check_split``), the backward as above."""
 
-
-# --- eager autograd -----------------------------------------------------------------------------------------------
-# The same forward and backward as the ops' registered autograd, as plain autograd.Functions calling the
-# implementations directly. Eager calls that record a gradient use these (functional.py): the custom op's Python
-# autograd layer costs the host far more per forward+backward than the kernels take at decode and small-batch
-# sizes. torch.compile, tracing and functorch transforms keep the ops.
-
-
-class EagerGeGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate, up, approximate, inplace_backward):
-        out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-        forward_into(out, gate, up, approximate, True)
+    def forward(gate, up, approximate, inplace_backward):
+        return new_output(gate, up, approximate)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        gate, up, ctx.approximate, ctx.inplace_backward = inputs
         ctx.save_for_backward(gate, up)
-        ctx.approximate = approximate
-        ctx.inplace_backward = inplace_backward
-        return out
+
+    backward = staticmethod(torch.autograd.function.once_differentiable(_backward_split))
+
+
+class GeGLUPackedFunction(torch.autograd.Function):
+    """``geglu_packed``'s autograd: the forward for a validated ``x`` (``check_packed``)."""
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        gate, up = ctx.saved_tensors
-        if _DIRECT:
-            grads = _direct.lean_bwd(grad, gate, up, is_tanh(ctx.approximate), ctx.inplace_backward)
-            if grads is not None:
-                return grads[0], grads[1], None, None
-        grad = _contiguous_last_dim(grad)
-        if ctx.inplace_backward:
-            backward_inplace(grad, gate, up, ctx.approximate)
-            return gate, up, None, None
-        d_gate, d_up = backward_new(grad, gate, up, ctx.approximate)
-        return d_gate, d_up, None, None
+    def forward(x, approximate, act_first, inplace_backward):
+        return new_packed_output(x, approximate, act_first, x.shape[-1] // 2)
 
-
-class EagerGeGLUPacked(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, approximate, act_first, inplace_backward):
-        d = check_packed(x, approximate)
-        out = torch.empty(x.shape[:-1] + (d,), dtype=x.dtype, device=x.device)
-        gate, up = packed_halves(x, act_first)
-        forward_into(out, gate, up, approximate, True)
+    def setup_context(ctx, inputs, output):
+        x, ctx.approximate, ctx.act_first, ctx.inplace_backward = inputs
         ctx.save_for_backward(x)
-        ctx.approximate = approximate
-        ctx.act_first = act_first
-        ctx.inplace_backward = inplace_backward
-        return out
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        grad = _contiguous_last_dim(grad)
-        (x,) = ctx.saved_tensors
-        if ctx.inplace_backward:
-            packed_backward_inplace(grad, x, ctx.approximate, ctx.act_first)
-            return x, None, None, None
-        return packed_backward_new(grad, x, ctx.approximate, ctx.act_first), None, None, None
+    backward = staticmethod(torch.autograd.function.once_differentiable(_backward_packed))
 
 
-# autograd.Function.apply's Python wrapper (default-argument binding, functorch checks: several µs a call) is
-# skipped: callers use these only outside functorch transforms, with positional arguments.
-eager_geglu = super(torch.autograd.Function, EagerGeGLU).apply
-eager_geglu_packed = super(torch.autograd.Function, EagerGeGLUPacked).apply
+geglu.register_autograd(_backward_split, setup_context=GeGLUFunction.setup_context)
+geglu_packed.register_autograd(_backward_packed, setup_context=GeGLUPackedFunction.setup_context)
+apply_geglu = fast_apply(GeGLUFunction)
+apply_geglu_packed = fast_apply(GeGLUPackedFunction)

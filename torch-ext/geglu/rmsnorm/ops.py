@@ -17,8 +17,8 @@ product is taken in fp32 before the one rounding to x's dtype.
   with ``set_backend("triton")`` and ``TRITON_INTERPRET=1``, the Triton kernels under the interpreter (tests).
 
 Like the GeGLU functions: a torch.library op with a fake implementation and autograd for torch.compile, tracing,
-functorch and tensor subclasses; plain eager calls go straight to the implementation (and through a plain
-``torch.autograd.Function`` when a gradient is recorded), skipping the dispatcher's Python round trips.
+functorch and tensor subclasses; plain eager calls go straight to the implementation, through the op's autograd
+formula as an ``autograd.Function`` (:class:`RMSNormFunction`) when a gradient is recorded.
 """
 
 from typing import Tuple
@@ -28,21 +28,13 @@ from torch import Tensor
 
 from ..runtime import backend as _backend
 from ..runtime.checks import SUPPORTED_DTYPES
+from ..runtime.library import fast_apply, op
 from .._ops import add_op_namespace_prefix
 
 _grad_enabled = torch.is_grad_enabled
 _OK_DTYPES = frozenset(SUPPORTED_DTYPES)
 
-_tri = None
-
-
-def _triton():
-    global _tri
-    if _tri is None:
-        from . import kernels as mod
-
-        _tri = mod
-    return _tri
+_triton = _backend.lazy_module(".kernels", __package__)
 
 
 # --- validation ----------------------------------------------------------------------------------------------
@@ -134,9 +126,9 @@ def cpu_backward(grad: Tensor, x: Tensor, weight: Tensor, eps: float, offset: fl
 
 
 def _use_triton(x: Tensor) -> bool:
-    """Whether the Triton kernels take x (loading them, so that ``_tri`` is set, on first use)."""
+    """Whether the Triton kernels take x."""
     if x.is_cuda:
-        return _tri is not None or _triton() is not None
+        return True
     if x.device.type != "cpu":
         raise NotImplementedError(f"geglu.rms_norm: tensors on {x.device.type!r} are not supported; expected CUDA "
                                   "or CPU tensors.")
@@ -149,18 +141,12 @@ def _use_triton(x: Tensor) -> bool:
     return True
 
 
-def _forward(x: Tensor, weight: Tensor, eps: float, offset: float) -> Tensor:
-    """y for validated inputs, recording no gradient."""
+def _backward(grad: Tensor, x: Tensor, weight: Tensor, eps: float, offset: float, rstd=None,
+              need_dw: bool = True) -> Tuple[Tensor, Tensor]:
+    """(dx, dw) for validated inputs; ``rstd``: the forward's [rows] fp32, or None to recompute it from x."""
     if _use_triton(x):
-        t = _tri
-        return t.forward(x, weight, t.f32(eps), t.f32(offset))[0]
-    return cpu_forward(x, weight, eps, offset)
-
-
-def _backward(grad: Tensor, x: Tensor, weight: Tensor, eps: float, offset: float) -> Tuple[Tensor, Tensor]:
-    if _use_triton(x):
-        t = _tri
-        return t.backward(grad, x, weight, None, t.f32(eps), t.f32(offset))
+        t = _triton()
+        return t.backward(grad, x, weight, rstd, t.f32(eps), t.f32(offset), need_dw)
     return cpu_backward(grad, x, weight, eps, offset)
 
 
@@ -173,13 +159,16 @@ def _like(result: Tensor, ref: Tensor) -> Tensor:
     return out
 
 
-# --- torch.library ops ---------------------------------------------------------------------------------------
+# --- the ops and their autograd ---------------------------------------------------------------------------------
 
 
-@torch.library.custom_op(add_op_namespace_prefix("rms_norm"), mutates_args=())
+@op(add_op_namespace_prefix("rms_norm"))
 def rms_norm_op(x: Tensor, weight: Tensor, eps: float, offset: float) -> Tensor:
     check_rms_norm(x, weight)
-    return _like(_forward(x, weight, eps, offset), x)
+    if _use_triton(x):
+        t = _triton()
+        return _like(t.forward(x, weight, t.f32(eps), t.f32(offset))[0], x)
+    return _like(cpu_forward(x, weight, eps, offset), x)
 
 
 @rms_norm_op.register_fake
@@ -188,7 +177,7 @@ def _(x, weight, eps, offset):
     return torch.empty_like(x)
 
 
-@torch.library.custom_op(add_op_namespace_prefix("rms_norm_backward"), mutates_args=())
+@op(add_op_namespace_prefix("rms_norm_backward"))
 def rms_norm_backward(grad: Tensor, x: Tensor, weight: Tensor, eps: float, offset: float) -> Tuple[Tensor, Tensor]:
     """(dx, dw) of ``rms_norm`` (the rstd recomputed from x)."""
     check_rms_norm(x, weight)
@@ -205,47 +194,41 @@ def _(grad, x, weight, eps, offset):
 
 
 def _setup(ctx, inputs, output):
-    x, weight, eps, offset = inputs
+    x, weight, ctx.eps, ctx.offset = inputs
     ctx.save_for_backward(x, weight)
-    ctx.eps, ctx.offset = eps, offset
 
 
-def _op_backward(ctx, grad):
-    x, weight = ctx.saved_tensors
-    dx, dw = rms_norm_backward(grad, x, weight, ctx.eps, ctx.offset)
-    return dx, dw, None, None
+def _norm_backward(ctx, grad):
+    """The backward of both routes: the implementation for plain tensors (with the forward's rstd where it saved
+    one), the backward op where the call is traced or holds tensor subclasses."""
+    x, weight, *rstd = ctx.saved_tensors
+    if _backend.call_mode(grad, x, weight) == _backend.OP:
+        dx, dw = rms_norm_backward(grad, x, weight, ctx.eps, ctx.offset)
+        return dx, dw, None, None
+    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    dx, dw = _backward(grad, x, weight, ctx.eps, ctx.offset, rstd[0] if rstd else None, need_dw)
+    return (dx if need_dx else None), dw, None, None
 
 
-rms_norm_op.register_autograd(_op_backward, setup_context=_setup)
+rms_norm_op.register_autograd(_norm_backward, setup_context=_setup)
 
 
-# --- eager autograd --------------------------------------------------------------------------------------------
-# The op's autograd for the Triton kernels, as a plain autograd.Function calling them directly (the custom op's
-# Python autograd layer costs ~100 µs of host time per forward + backward). The forward's rstd ([rows] fp32) is
-# saved instead of recomputed. CPU tensors need no node of ours: eager autograd records the CPU implementation's
-# own ops.
+class RMSNormFunction(torch.autograd.Function):
+    """The op's autograd for plain eager calls of the Triton kernels: the forward also saves its rstd ([rows] fp32)
+    for the backward. CPU tensors need no node of ours: eager autograd records the CPU implementation's own ops."""
 
-
-class EagerRMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, offset):
-        y, rstd = _tri.forward(x, weight, _tri.f32(eps), _tri.f32(offset), True)
+        t = _triton()
+        y, rstd = t.forward(x, weight, t.f32(eps), t.f32(offset), True)
         ctx.save_for_backward(x, weight, rstd)
         ctx.eps, ctx.offset = eps, offset
         return y
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        x, weight, rstd = ctx.saved_tensors
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dx, dw = _tri.backward(grad, x, weight, rstd, _tri.f32(ctx.eps), _tri.f32(ctx.offset), need_dw)
-        return (dx if need_dx else None), dw, None, None
+    backward = staticmethod(torch.autograd.function.once_differentiable(_norm_backward))
 
 
-# Function.apply's Python wrapper (argument binding, functorch checks) is skipped: used only outside functorch
-# transforms, with positional arguments.
-_eager_apply = super(torch.autograd.Function, EagerRMSNorm).apply
+_apply = fast_apply(RMSNormFunction)
 
 
 # --- public --------------------------------------------------------------------------------------------------
@@ -261,8 +244,8 @@ def _run(x: Tensor, weight: Tensor, eps: float, offset: float) -> Tensor:
     if not _use_triton(x):
         return cpu_forward(x, weight, eps, offset)
     if _grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return _eager_apply(x, weight, eps, offset)
-    t = _tri
+        return _apply(x, weight, eps, offset)
+    t = _triton()
     return t.forward(x, weight, t.f32(eps), t.f32(offset))[0]
 
 

@@ -13,6 +13,8 @@ an ``autograd.Function`` when a gradient is recorded); graph capture, tracing, f
 subclasses (fake, functional, DTensor, ...) take the ``torch.library`` op (``OP``).
 """
 
+import importlib
+
 import torch
 from torch import Tensor
 
@@ -55,6 +57,20 @@ def call_mode(*tensors: Tensor) -> int:
             return OP
         needs_grad = needs_grad or t.requires_grad
     return AUTOGRAD if needs_grad and _grad_enabled() else PLAIN
+
+
+def lazy_module(name: str, package: str):
+    """A function returning module ``name`` (relative to ``package``), imported on its first call: the Triton
+    kernels' modules, which import triton, load only where a kernel may run."""
+    module = None
+
+    def get():
+        nonlocal module
+        if module is None:
+            module = importlib.import_module(name, package)
+        return module
+
+    return get
 
 
 def set_backend(name: str) -> None:

@@ -1,4 +1,5 @@
-"""Operators that compiled graphs call on every forward, defined with ``torch.library.Library`` directly.
+"""The package's one way to define a Python operator (:func:`op`), and :func:`fast_apply` for its autograd
+Functions.
 
 ``torch.library.custom_op`` wraps each call in two Python layers: an autograd kernel that runs even without a
 gradient (it computes the dispatch key set and redispatches) and a backend wrapper that checks, after every call,
@@ -11,15 +12,14 @@ without kernels.
 (``torch.library.infer_schema``), the fake implementation and the autograd formula are registered with
 ``torch.library.register_fake`` / ``register_autograd``, and ``torch.library.opcheck`` tests the result. What it
 drops is the aliasing check: the implementations return new tensors (``opcheck``'s ``test_schema`` checks that).
-An op without an autograd formula has PyTorch's C++ autograd fallback: call it without a gradient.
+An op without an autograd formula has PyTorch's C++ autograd fallback: call it without a gradient. Every call
+site passes ``add_op_namespace_prefix("name")`` itself, the form kernel-builder's torch-ops-check looks for.
 """
 
 from typing import Callable, Dict, Sequence
 
 import torch
 from torch.library import Library
-
-from .._ops import add_op_namespace_prefix
 
 _LIBS: Dict[str, Library] = {}
 
@@ -42,12 +42,11 @@ class Op:
         torch.library.register_autograd(self.qualname, backward, setup_context=setup_context, lib=self._lib)
 
 
-def op(name: str, mutates_args: Sequence[str] = ()) -> Callable[[Callable], Op]:
-    """Decorator: define ``name`` (prefixed with this build's namespace) with the function as its implementation
+def op(qualname: str, mutates_args: Sequence[str] = ()) -> Callable[[Callable], Op]:
+    """Decorator: define ``qualname`` (``add_op_namespace_prefix("name")``) with the function as its implementation
     for every device (``CompositeExplicitAutograd``)."""
 
     def define(fn: Callable) -> Op:
-        qualname = add_op_namespace_prefix(name)
         ns, short = qualname.split("::")
         lib = _LIBS.get(ns)
         if lib is None:
@@ -59,4 +58,12 @@ def op(name: str, mutates_args: Sequence[str] = ()) -> Callable[[Callable], Op]:
     return define
 
 
-__all__ = ["Op", "op"]
+def fast_apply(function: type) -> Callable:
+    """``function.apply`` (a ``torch.autograd.Function``) without its Python wrapper, which binds default arguments
+    and unwraps functorch's dead wrappers: several µs a call that a decode-sized eager step pays. For callers that
+    pass every argument positionally, outside functorch transforms (``runtime.backend.call_mode`` is not OP). It is
+    the C++ ``apply`` that ``Function.apply`` ends in; tests/kernel/test_library.py fails if PyTorch moves it."""
+    return super(torch.autograd.Function, function).apply
+
+
+__all__ = ["Op", "op", "fast_apply"]
