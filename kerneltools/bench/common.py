@@ -109,7 +109,7 @@ def meta(torch) -> dict:
     out = dict(card=card, torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
                python=platform.python_version(), commit=git_commit(),
                date=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
-    # the package's settings from the environment (GEGLU_FUSED_TRAINING=1 and the like): a result measured with a
+    # the package's settings from the environment (GEGLU_FUSED_MLP=0 and the like): a result measured with a
     # setting changed must say so
     settings = {k: v for k, v in sorted(os.environ.items()) if k.startswith("GEGLU_") and k not in _NOT_SETTINGS}
     if settings:

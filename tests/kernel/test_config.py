@@ -10,12 +10,12 @@ import pytest
 
 def test_defaults_and_environment_parsing(geglu):
     cfg = importlib.import_module(geglu.__name__ + ".runtime.config")
-    assert cfg.Config.from_env({}) == cfg.Config("auto", True, False, "")
-    env = {"GEGLU_BACKEND": " Triton ", "GEGLU_FUSED_MLP": "off", "GEGLU_FUSED_TRAINING": "YES",
-           "GEGLU_CUDA_PLAN": " 128,P4 "}
-    assert cfg.Config.from_env(env) == cfg.Config("triton", False, True, "128,p4")
+    assert cfg.Config.from_env({}) == cfg.Config("auto", True, "", True)
+    env = {"GEGLU_BACKEND": " Triton ", "GEGLU_FUSED_MLP": "off", "GEGLU_CUDA_PLAN": " 128,P4 ",
+           "GEGLU_PREBUILT": "No"}
+    assert cfg.Config.from_env(env) == cfg.Config("triton", False, "128,p4", False)
     for name, value, message in (("GEGLU_FUSED_MLP", "maybe", "GEGLU_FUSED_MLP='maybe': expected 1"),
-                                 ("GEGLU_FUSED_TRAINING", "fast", "GEGLU_FUSED_TRAINING='fast': expected 1"),
+                                 ("GEGLU_PREBUILT", "fast", "GEGLU_PREBUILT='fast': expected 1"),
                                  ("GEGLU_BACKEND", "rocm", "GEGLU_BACKEND='rocm' is not a backend"),
                                  ("GEGLU_CUDA_PLAN", "256,3", "GEGLU_CUDA_PLAN='256,3' is not a launch plan")):
         with pytest.raises(ValueError, match=message):
@@ -63,17 +63,19 @@ def test_configure_changes_and_restores(geglu):
     with geglu.configure(fused_mlp=False, backend="triton") as now:
         assert now.fused_mlp is False and geglu.get_config().backend == "triton" and geglu.get_backend() == "triton"
     assert geglu.get_config() == before
-    geglu.configure(fused_training=True)
+    geglu.configure(prebuilt=False)
     try:
-        assert geglu.get_config().fused_training
+        assert not geglu.get_config().prebuilt
     finally:
-        geglu.configure(fused_training=before.fused_training)
+        geglu.configure(prebuilt=before.prebuilt)
     assert geglu.get_config() == before
 
 
 def test_configure_refuses_unknown_settings_and_values(geglu):
-    with pytest.raises(TypeError, match="unknown setting.*fused_mpl.*expected backend, fused_mlp, fused_training, cuda_plan or prebuilt"):
+    with pytest.raises(TypeError, match="unknown setting.*fused_mpl.*expected backend, fused_mlp, cuda_plan or prebuilt"):
         geglu.configure(fused_mpl=False)
+    with pytest.raises(TypeError, match="fused_training setting .* is no longer offered.*Remove it"):
+        geglu.configure(fused_training=True)
     with pytest.raises(TypeError, match=r"fused_mlp='no'\): expected True or False"):
         geglu.configure(fused_mlp="no")
     with pytest.raises(ValueError, match="is not a backend; expected one of auto, cuda, triton"):
@@ -85,12 +87,14 @@ def test_configure_refuses_unknown_settings_and_values(geglu):
 
 
 def test_environment_is_read_at_import(build_dir, tmp_path):
-    """GEGLU_* are read once, when the package is imported (here in a fresh process)."""
+    """GEGLU_* are read once, when the package is imported (here in a fresh process); the setting that is no longer
+    offered (GEGLU_FUSED_TRAINING) is named in a warning, not ignored silently."""
     code = ("import kernels, sys; g = kernels.get_local_kernel(__import__('pathlib').Path(sys.argv[1])); "
-            "c = g.get_config(); print(c.backend, c.fused_mlp, c.fused_training, c.cuda_plan)")
-    env = {"GEGLU_BACKEND": "triton", "GEGLU_FUSED_MLP": "0", "GEGLU_FUSED_TRAINING": "1", "GEGLU_CUDA_PLAN": "64,P2",
-           "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+            "c = g.get_config(); print(c.backend, c.fused_mlp, c.prebuilt, c.cuda_plan)")
+    env = {"GEGLU_BACKEND": "triton", "GEGLU_FUSED_MLP": "0", "GEGLU_PREBUILT": "0", "GEGLU_CUDA_PLAN": "64,P2",
+           "GEGLU_FUSED_TRAINING": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code, str(build_dir)], capture_output=True, text=True, env=env,
                          timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["triton", "False", "True", "64,p2"]
+    assert out.stdout.split() == ["triton", "False", "False", "64,p2"]
+    assert "GEGLU_FUSED_TRAINING is set, but the fused_training setting" in out.stderr, out.stderr

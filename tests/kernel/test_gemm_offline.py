@@ -61,9 +61,9 @@ for name, cfg in (("experts LARGE", et.LARGE), ("experts SMALL_M", et.SMALL_M)):
     out[name] = compile_(et._grouped_geglu_kernel, cfg, const, dict(x_desc=[bm, bk], w_desc=[1, 2, bn, bk]))
 cfg = ft.PAIRED_LARGE
 bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-const = dict(TANH=True, SAVE=0, DOT_F32=False, GATE_FIRST=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+const = dict(TANH=True, DOT_F32=False, GATE_FIRST=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
              GROUP_M=cfg.group_m, PERSISTENT=cfg.persistent, FLATTEN=cfg.flatten, FAST_EPI=cfg.fast_epi, **K)
-descs = dict(x_ptr=[bm, bk], w_ptr=[2, bn, bk], out_ptr=[bm, bn], g_ptr=[bm, bn], u_ptr=[bm, bn])
+descs = dict(x_ptr=[bm, bk], w_ptr=[2, bn, bk], out_ptr=[bm, bn])
 out["dense PAIRED_LARGE"] = compile_(ft._paired_gate_up_geglu_kernel, cfg, const, descs)
 print(json.dumps(out))
 """

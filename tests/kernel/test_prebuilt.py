@@ -107,15 +107,13 @@ def plans_not_prebuilt() -> list:
                             missing.append(("norm bwd", M, D, key[:2]))
     for M in (65, 200, 256, 257, 300, 2048, 16384):
         for tanh in (False, True):
-            for save, deriv in ((False, False), (True, False), (True, True)):
-                cfg = fmt.inference_config(M) if not save else fmt.choose_config(M, 2560, 10240, torch.bfloat16, True)
-                mode = fmt._save_mode(save, deriv)
-                keys = [_k(fmt._gate_up_geglu_kernel, fmt.gate_up_consts(tanh, mode, True, cfg), cfg.num_warps,
-                           cfg.num_stages)]
-                if cfg.pair:
-                    keys += [_k(fmt._paired_gate_up_geglu_kernel, fmt.paired_consts(tanh, mode, g, cfg),
-                                cfg.num_warps, cfg.num_stages) for g in (True, False)]
-                missing += [("gemm", M, save, deriv, k[:2]) for k in keys if k not in have]
+            cfg = fmt.choose_config(M, 2560, 10240, torch.bfloat16)
+            keys = [_k(fmt._gate_up_geglu_kernel, fmt.gate_up_consts(tanh, True, cfg), cfg.num_warps,
+                       cfg.num_stages)]
+            if cfg.pair:
+                keys += [_k(fmt._paired_gate_up_geglu_kernel, fmt.paired_consts(tanh, g, cfg), cfg.num_warps,
+                            cfg.num_stages) for g in (True, False)]
+            missing += [("gemm", M, k[:2]) for k in keys if k not in have]
     for S, E in ((4096, 128), (131072, 128), (512, 128)):
         cfg = ext.default_config(S, E)
         for tanh in (False, True):
@@ -406,10 +404,7 @@ def _compare(geglu, families, hits):
         wg, wu = (torch.randn(10240, 2560, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(2))
         for tanh in (False, True):
             for M in (200, 1024):
-                cases.append((f"gemm inference {M} {tanh}", lambda M=M, t=tanh: kt.gate_up_geglu(
-                    x[:M], wg, wu, t, False, kt.inference_config(M))[0]))
-                cases.append((f"gemm training {M} {tanh}",
-                              lambda M=M, t=tanh: kt.gate_up_geglu(x[:M], wg, wu, t, True)[1]))
+                cases.append((f"gemm {M} {tanh}", lambda M=M, t=tanh: kt.gate_up_geglu(x[:M], wg, wu, t)))
     if "moe" in families:
         xe = torch.randn(4096, 2816, device="cuda", dtype=torch.bfloat16)
         we = torch.randn(128, 2 * 704, 2816, device="cuda", dtype=torch.bfloat16) * 0.02

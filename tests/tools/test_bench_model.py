@@ -270,7 +270,7 @@ def test_merge_and_partial_reports(tmp_path):
 
 
 def test_results_record_the_package_settings_they_ran_with(monkeypatch, tmp_path):
-    """A run with a package setting changed in the environment (GEGLU_FUSED_TRAINING=1) records it in its metadata,
+    """A run with a package setting changed in the environment (GEGLU_FUSED_MLP=0) records it in its metadata,
     and the model report names it for that run, merged or not; where things are (GEGLU_BUILD_DIR, GEGLU_COMMIT) is
     not a setting."""
     import torch
@@ -280,9 +280,9 @@ def test_results_record_the_package_settings_they_ran_with(monkeypatch, tmp_path
 
     monkeypatch.setenv("GEGLU_BUILD_DIR", "/tmp/b")
     plain_meta = meta(torch)
-    monkeypatch.setenv("GEGLU_FUSED_TRAINING", "1")
+    monkeypatch.setenv("GEGLU_FUSED_MLP", "0")
     set_meta = meta(torch)
-    assert "settings" not in plain_meta and set_meta["settings"] == {"GEGLU_FUSED_TRAINING": "1"}
+    assert "settings" not in plain_meta and set_meta["settings"] == {"GEGLU_FUSED_MLP": "0"}
     row = dict(part="train", tokens=8, modes={"eager": dict(ms=2.0, tokens_per_s=4000.0, vs_eager=[1.0, 1.0, 1.0],
                                                              vs_compile=None, first_call_s=0.1, peak_mib=None)})
     paths = []
@@ -291,9 +291,9 @@ def test_results_record_the_package_settings_they_ran_with(monkeypatch, tmp_path
                    models=[dict(model=name, source="s", kind="causal", dtype="bfloat16", layers=2, rows=[row])])
         bm.write(run, tmp_path / name)
         paths.append(tmp_path / name / "model.json")
-    assert "`inductor`, with GEGLU_FUSED_TRAINING=1." in (tmp_path / "m2" / "model.md").read_text()
+    assert "`inductor`, with GEGLU_FUSED_MLP=0." in (tmp_path / "m2" / "model.md").read_text()
     md = bm.to_markdown(bm.merge(paths))
-    assert md.count("GEGLU_FUSED_TRAINING=1") == 1 and "Settings: GEGLU_FUSED_TRAINING=1." in md
+    assert md.count("GEGLU_FUSED_MLP=0") == 1 and "Settings: GEGLU_FUSED_MLP=0." in md
 
 
 def test_profile_categories_and_gpu_time_report():

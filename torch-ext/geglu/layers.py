@@ -67,9 +67,8 @@ class GeGLUMLP(nn.Module):
     gate/up GEMM (the GeGLU in its epilogue: more accurate than eager, not its bits) where it measures faster on the
     device (setting ``fused_mlp``, ``GEGLU_FUSED_MLP=0`` turns it off). Under torch.compile inference is the fused op
     where the shipped rule lets the fused GEMM run for the rows (one guard on the symbolic row count) and the host's
-    ops elsewhere, and a training step traces the host's ops: Inductor compiles those as for the unkernelized model. ``GEGLU_FUSED_TRAINING=1`` (setting
-    ``fused_training``) gives the training step, eager or compiled, the fused kernels where the Gluon backward runs
-    (sm_90): not eager's bits, more accurate.
+    ops elsewhere, and a training step traces the host's ops: Inductor compiles those as for the unkernelized
+    model.
     """
 
     can_torch_compile = True

@@ -61,7 +61,7 @@ def _grouped_geglu_kernel(x_desc, w_desc, out_ptr, tile_expert_ptr, tiles_end_pt
             else:
                 acc = tl.dot(a, b.T, acc)
         acc_g, acc_u = split_halves(acc, BLOCK_M, 2 * BLOCK_N)
-        y, _, _ = geglu_epilogue(acc_g, acc_u, x_desc.dtype, TANH, 0, FAST_EPI, K_BETA_TANH, K_KAPPA, K_ALPHA)
+        y = geglu_epilogue(acc_g, acc_u, x_desc.dtype, TANH, FAST_EPI, K_BETA_TANH, K_KAPPA, K_ALPHA)
         r = off_m + rows
         c = off_n + cols
         mask = ((r < row_end) & (r < S))[:, None] & (c < N)[None, :]  # S: offsets past the rows write nothing

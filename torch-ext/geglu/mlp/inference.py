@@ -28,17 +28,6 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _kernels = _backend.lazy_module(".kernels", __package__)
 
 
-def _gluon_backward(dev: torch.device):
-    """The Gluon backward kernel's module where it runs (sm_90 and a Triton with Gluon), else None."""
-    if dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] != 9:
-        return None
-    try:
-        from . import gluon_bwd as _gluon_bwd
-    except ImportError:  # a Triton without Gluon
-        return None
-    return _gluon_bwd
-
-
 def fused_kernel_applies(x2: Tensor) -> bool:
     """Whether the fused gate/up kernel can take these 2-D rows: fp16/bf16 and more than ``DECODE_MAX_M`` rows, on a
     CUDA device (TMA descriptors where the device and strides allow, pointer loads otherwise), or (tests) CPU
@@ -144,11 +133,7 @@ def _fused_inference(x, w_gate, w_up, w_down, approximate) -> Optional[Tensor]:
 
 
 def fused_forward(x2: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, approximate: str) -> Tensor:
-    kt = _kernels()
-    M, D = x2.shape
-    # the inference tile (fast epilogue) for this shape, unless a smaller one already replaced it on this device
-    kt.TUNED.setdefault((kt.m_bucket(M), D, w_gate.shape[0], x2.dtype, False), kt.inference_config(M))
-    h, _ = kt.gate_up_geglu(x2.contiguous(), _unit_last(w_gate), _unit_last(w_up), is_tanh(approximate), False)
+    h = _kernels().gate_up_geglu(x2.contiguous(), _unit_last(w_gate), _unit_last(w_up), is_tanh(approximate))
     return torch.mm(h, w_down.t())
 
 

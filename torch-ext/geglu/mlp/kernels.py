@@ -1,10 +1,10 @@
-"""The fused GeGLU MLP's gate/up GEMM, host side: tile configs (a small fixed set chosen per (M bucket, D, H, dtype,
-save), nothing autotuned at call time), the launcher (``gate_up_geglu``: TMA descriptors where the device and
+"""The fused GeGLU MLP's gate/up GEMM, host side: tile configs (a small fixed set chosen per (M bucket, D, H, dtype),
+nothing autotuned at call time), the launcher (``gate_up_geglu``: TMA descriptors where the device and
 strides allow, the paired kernel where ``pair_layout`` accepts the weights, one pipeline stage fewer on
 OutOfResources) and the launches the build prebuilds. The device code and its numerics: ``mlp.tiles``.
 """
 
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -54,15 +54,14 @@ class Config(NamedTuple):
 # Shared memory per stage is (BLOCK_M + 2 * BLOCK_N) * BLOCK_K * 2 bytes: 48 KiB at 128x128x64. Registers: two
 # 128x128 fp32 accumulators over 8 warps are 128 a thread. The persistent loop matters on sm_90: without it ptxas
 # serialises the tile's wgmma pipeline (warning C7515), with it a K step's wgmma issue back to back.
-LARGE = Config(128, 128, 64, 16, 8, 3, persistent=True, pair=True)  # paired where the weights allow
 MEDIUM = Config(64, 128, 64, 8, 4, 4)  # 65 <= M <= 256: one warpgroup, m64 wgmma
 INTERPRETER = Config(16, 16, 16, 2, 1, 1)  # tiny tiles: several tiles and K steps at test sizes
 # Paired-kernel tiles: BLOCK_N counts h columns, so the dot is BLOCK_M x (2 * BLOCK_N). The flattened persistent
 # loop overlaps a tile's epilogue with the next tile's first loads (the outputs are bit-identical either way).
 PAIRED_LARGE = Config(128, 128, 64, 16, 8, 3, persistent=True, flatten=True, fast_epi=True, pair=True)
 
-# Choices per (M bucket, D, H, dtype, save) -> Config; `gate_up_geglu` fills it when a config runs out of shared
-# memory on a device (one stage fewer), and the inference path with its configs.
+# Choices per (M bucket, D, H, dtype) -> Config where the default (`inference_config`) ran out of shared memory on
+# this device: `gate_up_geglu` records the working one (one stage fewer).
 TUNED: dict = {}
 
 
@@ -77,13 +76,8 @@ def m_bucket(M: int) -> int:
     return min(1 << max(M - 1, 1).bit_length(), 8192)
 
 
-def choose_config(M: int, D: int, H: int, dtype: torch.dtype, save: bool) -> Config:
-    cfg = TUNED.get((m_bucket(M), D, H, dtype, save))
-    if cfg is not None:
-        return cfg
-    if INTERPRET:
-        return INTERPRETER
-    return MEDIUM if M <= 256 else LARGE
+def choose_config(M: int, D: int, H: int, dtype: torch.dtype) -> Config:
+    return TUNED.get((m_bucket(M), D, H, dtype)) or inference_config(M)
 
 
 # --- launcher -----------------------------------------------------------------------------------------------------
@@ -102,50 +96,33 @@ def tma_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def _save_mode(save: bool, deriv: bool) -> int:
-    """The kernels' SAVE: 0 h only, 1 also [g | u], 2 also [gelu(g) | u * gelu'(g)] (`geglu_epilogue`)."""
-    return 2 if save and deriv else int(save)
-
-
-def gate_up_geglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, tanh: bool, save: bool,
-                  config: Optional[Config] = None, deriv: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """h = geglu(x @ w_gate^T, x @ w_up^T) for 2-D x [M, D] and weights [H, D] (fp16/bf16, unit last-dim stride,
-    validated by the caller); with ``save`` also gu = [g | u] [M, 2H], the rounded pre-activations, or with ``deriv``
-    as well [gelu(g) | u * gelu'(g)], the backward's two factors (from the fp32 accumulators, each rounded once)."""
-    save_mode = _save_mode(save, deriv)
+def gate_up_geglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, tanh: bool,
+                  config: Optional[Config] = None) -> torch.Tensor:
+    """h = geglu(x @ w_gate^T, x @ w_up^T) [M, H] for 2-D x [M, D] and weights [H, D] (fp16/bf16, unit last-dim
+    stride, validated by the caller), with the tile ``config`` (default: `choose_config`)."""
     M, K = x.shape
     N = w_gate.shape[0]
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    gu = torch.empty((M, 2 * N), dtype=x.dtype, device=x.device) if save else None
     if M == 0 or N == 0:
-        return out, gu
+        return out
     if K == 0:
         raise ValueError("gate_up_geglu: D = 0 is not supported by the fused kernel.")
-    cfg = config or choose_config(M, K, N, x.dtype, save)
-    g_view, u_view = (gu[:, :N], gu[:, N:]) if save else (out, out)
-    tensors = (x, w_gate, w_up, out, g_view, u_view)
-    use_tma = cfg.tma and tma_supported(x.device) and all(tma_aligned(t) for t in tensors)
+    cfg = config or choose_config(M, K, N, x.dtype)
+    use_tma = cfg.tma and tma_supported(x.device) and all(tma_aligned(t) for t in (x, w_gate, w_up, out))
     layout = pair_layout(w_gate, w_up) if use_tma and cfg.pair else None
-    if layout is not None:
-        _launch_paired(x, layout, w_gate, out, g_view, u_view, tanh, save_mode, cfg)
-        return out, gu
-    if use_tma:
-        bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-        args = [_aot.Desc(t, t.shape, t.stride(), blk) for t, blk in
-                ((x, [bm, bk]), (w_gate, [bn, bk]), (w_up, [bn, bk]), (out, [bm, bn]), (g_view, [bm, bn]),
-                 (u_view, [bm, bn]))]
-    else:
-        args = list(tensors)
     try:
-        _launch(args, M, N, K, x, w_gate, w_up, out, g_view, u_view, tanh, save_mode, use_tma, cfg)
+        if layout is not None:
+            _launch_paired(x, layout, w_gate, out, tanh, cfg)
+        else:
+            _launch(x, w_gate, w_up, out, tanh, use_tma, cfg)
     except triton.runtime.errors.OutOfResources:
         if config is not None or cfg.num_stages <= 2:
             raise  # an explicit config (benchmarks, tests) reports its failure
-        # Too much shared memory for this device (e.g. the epilogue's store staging with save=True): retry with
-        # one pipeline stage fewer, down to 2, and remember the working choice for this (M bucket, D, H, dtype).
-        TUNED[(m_bucket(M), K, N, x.dtype, save)] = cfg._replace(num_stages=cfg.num_stages - 1)
-        return gate_up_geglu(x, w_gate, w_up, tanh, save, deriv=deriv)
-    return out, gu
+        # Too much shared memory for this device (sm_120's 99 KiB, for one): retry with one pipeline stage fewer,
+        # down to 2, and remember the working choice for this (M bucket, D, H, dtype).
+        TUNED[(m_bucket(M), K, N, x.dtype)] = cfg._replace(num_stages=cfg.num_stages - 1)
+        return gate_up_geglu(x, w_gate, w_up, tanh)
+    return out
 
 
 def run_gemm(kernel, grid, args, consts, cfg, device) -> None:
@@ -160,15 +137,15 @@ def run_gemm(kernel, grid, args, consts, cfg, device) -> None:
         kernel[grid](*jit_args, *consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
 
 
-def gate_up_consts(tanh, save, use_tma, cfg) -> tuple:
+def gate_up_consts(tanh, use_tma, cfg) -> tuple:
     """The two-dot kernel's constexprs, in order."""
-    return (tanh, save, use_tma, INTERPRET, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.persistent,
+    return (tanh, use_tma, INTERPRET, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.persistent,
             cfg.flatten, cfg.fast_epi, K_BETA_TANH, K_KAPPA, K_ALPHA)
 
 
-def paired_consts(tanh, save, gate_first, cfg) -> tuple:
+def paired_consts(tanh, gate_first, cfg) -> tuple:
     """The paired kernel's constexprs, in order."""
-    return (tanh, save, INTERPRET, gate_first, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.persistent,
+    return (tanh, INTERPRET, gate_first, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.persistent,
             cfg.flatten, cfg.fast_epi, K_BETA_TANH, K_KAPPA, K_ALPHA)
 
 
@@ -176,11 +153,15 @@ def _grid(num_tiles: int, cfg: Config, device) -> tuple:
     return (min(num_tiles, sm_count(device)) if cfg.persistent else num_tiles,)
 
 
-def _launch(args, M, N, K, x, w_gate, w_up, out, g_view, u_view, tanh, save, use_tma, cfg):
-    grid = _grid(triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), cfg, x.device)
-    strides = [x.stride(0), w_gate.stride(0), w_up.stride(0), out.stride(0), g_view.stride(0), u_view.stride(0)]
-    run_gemm(_gate_up_geglu_kernel, grid, [*args, M, N, K, *strides], gate_up_consts(tanh, save, use_tma, cfg), cfg,
-         x.device)
+def _launch(x, w_gate, w_up, out, tanh, use_tma, cfg):
+    (M, K), N = x.shape, w_gate.shape[0]
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    tensors = ((x, [bm, bk]), (w_gate, [bn, bk]), (w_up, [bn, bk]), (out, [bm, bn]))
+    args = [_aot.Desc(t, t.shape, t.stride(), blk) if use_tma else t for t, blk in tensors]
+    strides = [t.stride(0) for t, _ in tensors]
+    grid = _grid(triton.cdiv(M, bm) * triton.cdiv(N, bn), cfg, x.device)
+    run_gemm(_gate_up_geglu_kernel, grid, [*args, M, N, K, *strides], gate_up_consts(tanh, use_tma, cfg), cfg,
+             x.device)
 
 
 _TMA_MAX_STRIDE = 1 << 40  # bytes: cuTensorMapEncodeTiled's limit on a global stride
@@ -212,16 +193,14 @@ def pair_layout(w_gate: torch.Tensor, w_up: torch.Tensor) -> Optional[PairLayout
     return PairLayout(base, delta // es, gate_first)
 
 
-def _launch_paired(x, layout: PairLayout, w_gate, out, g_view, u_view, tanh, save, cfg):
+def _launch_paired(x, layout: PairLayout, w_gate, out, tanh, cfg):
     M, K = x.shape
     N = w_gate.shape[0]
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     w_desc = _aot.Desc(layout.base, [2, N, K], [layout.outer_stride, w_gate.stride(0), 1], [2, bn, bk])
-    args = [_aot.Desc(t, t.shape, t.stride(), blk) for t, blk in
-            ((x, [bm, bk]), (out, [bm, bn]), (g_view, [bm, bn]), (u_view, [bm, bn]))]
-    args.insert(1, w_desc)
+    args = [_aot.Desc(x, x.shape, x.stride(), [bm, bk]), w_desc, _aot.Desc(out, out.shape, out.stride(), [bm, bn])]
     grid = _grid(triton.cdiv(M, bm) * triton.cdiv(N, bn), cfg, x.device)
-    run_gemm(_paired_gate_up_geglu_kernel, grid, [*args, M, N, K], paired_consts(tanh, save, layout.gate_first, cfg),
+    run_gemm(_paired_gate_up_geglu_kernel, grid, [*args, M, N, K], paired_consts(tanh, layout.gate_first, cfg),
              cfg, x.device)
 
 
@@ -231,28 +210,24 @@ PREBUILD_MIN_ARCH = 90
 
 
 def prebuild_launches() -> list:
-    """The inference and training tiles of both kernels, fp16 and bf16; sizes are never hinted."""
+    """The inference tiles of both kernels, fp16 and bf16; sizes are never hinted."""
     out = []
     for dt in ("bf16", "fp16"):
-        for cfg, save, paired in ((inference_config(4096), 0, True), (LARGE, 1, True), (LARGE, 2, True),
-                                  (inference_config(4096), 0, False), (LARGE, 1, False), (LARGE, 2, False),
-                                  (inference_config(128), 0, False), (MEDIUM, 1, False), (MEDIUM, 2, False)):
+        for cfg, paired in ((inference_config(4096), True), (inference_config(4096), False),
+                            (inference_config(128), False)):
             bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
             sizes = [(n, "i32", False) for n in ("M", "N", "K")]
             for tanh in (False, True):
                 if paired:
-                    args = [desc_arg("x_ptr", dt, [bm, bk]), desc_arg("w_ptr", dt, [2, bn, bk])] + [
-                        desc_arg(n, dt, [bm, bn]) for n in ("out_ptr", "g_ptr", "u_ptr")] + sizes
+                    args = [desc_arg("x_ptr", dt, [bm, bk]), desc_arg("w_ptr", dt, [2, bn, bk]),
+                            desc_arg("out_ptr", dt, [bm, bn])] + sizes
                     for gate_first in (True, False):
-                        out.append(prebuild(_paired_gate_up_geglu_kernel, args,
-                                            paired_consts(tanh, save, gate_first, cfg), cfg.num_warps,
-                                            cfg.num_stages))
+                        out.append(prebuild(_paired_gate_up_geglu_kernel, args, paired_consts(tanh, gate_first, cfg),
+                                            cfg.num_warps, cfg.num_stages))
                 else:
-                    args = ([desc_arg("x_ptr", dt, [bm, bk]), desc_arg("wg_ptr", dt, [bn, bk]),
-                             desc_arg("wu_ptr", dt, [bn, bk])]
-                            + [desc_arg(n, dt, [bm, bn]) for n in ("out_ptr", "g_ptr", "u_ptr")] + sizes
-                            + [(n, "i32", False) for n in ("stride_x", "stride_wg", "stride_wu", "stride_o",
-                                                            "stride_g", "stride_u")])
-                    out.append(prebuild(_gate_up_geglu_kernel, args, gate_up_consts(tanh, save, True, cfg),
+                    args = ([desc_arg(n, dt, blk) for n, blk in (("x_ptr", [bm, bk]), ("wg_ptr", [bn, bk]),
+                                                                 ("wu_ptr", [bn, bk]), ("out_ptr", [bm, bn]))]
+                            + sizes + [(n, "i32", False) for n in ("stride_x", "stride_wg", "stride_wu", "stride_o")])
+                    out.append(prebuild(_gate_up_geglu_kernel, args, gate_up_consts(tanh, True, cfg),
                                         cfg.num_warps, cfg.num_stages))
     return out

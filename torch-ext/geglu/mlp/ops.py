@@ -11,8 +11,7 @@
   activation instead: a Python node costs the host more than eager's C++ nodes.
 * **torch.compile**: inference calls the op ``geglu_mlp`` where the fused path may run for the rows
   (``inference.traced_op``: the shipped rule, one guard on the symbolic row count), and the host's ops elsewhere,
-  which Inductor compiles as it compiles the unkernelized model; a training step traces the host's ops, or with
-  the ``fused_training`` setting the fused training ops.
+  which Inductor compiles as it compiles the unkernelized model; a training step traces the host's ops.
 * **Tracing, functorch transforms, tensor subclasses**: the custom ops ``geglu_mlp`` (inference) and
   ``geglu_mlp_train`` / ``geglu_mlp_train_backward`` (training), with fake implementations; the op makes every
   shape-dependent choice (decode size, fused or not) when it runs.
@@ -27,8 +26,7 @@ from torch import Tensor
 
 from ..runtime import backend as _backend
 from .inference import geglu_mlp_op, inference, traced_op
-from .training import (_apply, geglu_mlp_train, geglu_mlp_train_fused, host_bound, node_applies,
-                       traced_fused_training)
+from .training import _apply, geglu_mlp_train, host_bound, node_applies
 
 # --- the entry point ---------------------------------------------------------------------------------------------
 
@@ -46,8 +44,6 @@ def geglu_mlp(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, approxima
             return _apply(x, w_gate, w_up, w_down, approximate)
         return _host(x, w_gate, w_up, w_down, approximate, act)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w_gate, w_up, w_down)):
-        if traced_fused_training(x):
-            return geglu_mlp_train_fused(x, w_gate, w_up, w_down, approximate)[0]
         if torch.compiler.is_compiling():
             # A compiled training step gets the host's ops, which Inductor compiles as it compiles the unkernelized
             # model: the training op's GEMMs cost the step more GPU time than its GeGLU kernels save against

@@ -6,10 +6,8 @@ computes x @ Wg^T and x @ Wu^T into two fp32 accumulators per output tile and ap
 
 The epilogue is our pointwise forward (`runtime.gelu_math.gelu`, `round_to`, eager's constants and operation order,
 launched without FMA contraction), applied to the accumulators rounded to the storage dtype as eager's GEMMs store
-them: the result equals "cuBLAS-like GEMMs, then our pointwise kernel" up to the GEMMs' accumulation order. With
-``save=True`` (training) it also writes those rounded pre-activations, packed as ``gu[M, 2H] = [g | u]``, which is
-what the backward needs; with ``deriv`` (the ``fused_training`` setting) the backward's two factors gelu(g) and
-u * gelu'(g) instead.
+them: the result equals "cuBLAS-like GEMMs, then our pointwise kernel" up to the GEMMs' accumulation order. The
+fast epilogue (``FAST_EPI``, the inference tiles) instead takes the GeGLU of the fp32 accumulators, rounded once.
 
 Weights are read in place in nn.Linear's layout (Wg, Wu: [H, D], unit stride on D): no packed copy, no extra
 memory. A program computes a BLOCK_M x BLOCK_N tile of h: per K step it loads one x tile [BLOCK_M, BLOCK_K] and
@@ -22,7 +20,7 @@ copy; bit-equal to the two-dot kernel). Tiles are visited in GROUP_M-row groups 
 the grid is one program per tile, or persistent (one program per SM looping over tiles, optionally with Triton's
 loop flattening / warp specialisation).
 
-Configs are a small fixed set chosen per (M bucket, D, H, dtype, save) (`choose_config`); nothing is autotuned at
+Configs are a small fixed set chosen per (M bucket, D, H, dtype) (`choose_config`); nothing is autotuned at
 call time. Under the Triton interpreter (CPU tensors) the dots run on fp32 copies of the tiles (the interpreter
 multiplies bf16 as integers); products of bf16/fp16 values are exact in fp32, so this is still an fp32-accumulated
 GEMM of the same inputs.
@@ -31,7 +29,7 @@ GEMM of the same inputs.
 import triton
 import triton.language as tl
 
-from ..runtime.gelu_math import INTERPRET, K_3KAPPA, K_BETA_ERF, gelu, gelu_grad, round_to
+from ..runtime.gelu_math import INTERPRET, gelu, round_to
 
 
 if INTERPRET:
@@ -66,11 +64,6 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     return first_m + in_group % rows, in_group // rows
 
 
-# gelu' of the erf GELU in the SAVE = 2 epilogue (constexpr globals: the kernels' signatures stay as they are)
-_K_BETA_ERF = tl.constexpr(K_BETA_ERF)
-_K_3KAPPA = tl.constexpr(K_3KAPPA)
-
-
 @triton.jit
 def _tanh_gelu_sigmoid(x, K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr):
     """s = sigmoid(2 * inner(x)) = (1 + tanh(inner)) / 2 of the tanh GELU (gelu = x * s: no cancellation near -1),
@@ -80,22 +73,9 @@ def _tanh_gelu_sigmoid(x, K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr):
 
 
 @triton.jit
-def geglu_epilogue(acc_g, acc_u, T: tl.constexpr, TANH: tl.constexpr, SAVE: tl.constexpr, FAST_EPI: tl.constexpr,
-                    K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr):
-    """(h, g, u) of a tile from its fp32 gate and up accumulators, h in the storage dtype T. What g and u hold (for
-    training) depends on SAVE: 0 nothing, 1 the rounded pre-activations, 2 the backward's two factors gelu(g) and
-    u * gelu'(g) (so that the backward's dGeGLU is d_up = d_h * gelu(g), d_gate = d_h * (u * gelu'(g)): two products),
-    from the fp32 accumulators, each rounded once."""
-    if SAVE == 2:
-        x = acc_g
-        if FAST_EPI and TANH:  # gelu = x * s, gelu' = s + 2 kBeta x s (1 - s)(1 + 3 kKappa x^2)
-            s = _tanh_gelu_sigmoid(x, K_BETA_TANH, K_KAPPA)
-            h = x * s
-            gp = tl.fma((2.0 * K_BETA_TANH) * x * tl.fma(-s, s, s), tl.fma(x * x, _K_3KAPPA, 1.0), s)
-        else:
-            h = gelu(x, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA)
-            gp = gelu_grad(x, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA, _K_BETA_ERF, _K_3KAPPA)
-        return round_to(h * acc_u, T), round_to(h, T), round_to(acc_u * gp, T)
+def geglu_epilogue(acc_g, acc_u, T: tl.constexpr, TANH: tl.constexpr, FAST_EPI: tl.constexpr,
+                   K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr):
+    """A tile of h in the storage dtype T from its fp32 gate and up accumulators."""
     if FAST_EPI:
         # The GeGLU of the fp32 accumulators, rounded once: fewer instructions per output than eager's
         # formulation (an epilogue that is not overlapped with the next tile's main loop costs its full time).
@@ -103,26 +83,17 @@ def geglu_epilogue(acc_g, acc_u, T: tl.constexpr, TANH: tl.constexpr, SAVE: tl.c
             h = acc_g * _tanh_gelu_sigmoid(acc_g, K_BETA_TANH, K_KAPPA)
         else:
             h = gelu(acc_g, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA)
-        y = round_to(h * acc_u, T)
-        if SAVE:
-            g = round_to(acc_g, T)
-            u = round_to(acc_u, T)
-        else:
-            g = y
-            u = y
-    else:
-        # The GEMM outputs as eager stores them (rounded to T), then our pointwise GeGLU with eager's rounding.
-        g = round_to(acc_g, T)
-        u = round_to(acc_u, T)
-        h = round_to(gelu(g.to(tl.float32), TANH, K_BETA_TANH, K_KAPPA, K_ALPHA), T).to(tl.float32)
-        y = round_to(h * u.to(tl.float32), T)
-    return y, g, u
+        return round_to(h * acc_u, T)
+    # The GEMM outputs as eager stores them (rounded to T), then our pointwise GeGLU with eager's rounding.
+    g = round_to(acc_g, T)
+    u = round_to(acc_u, T)
+    h = round_to(gelu(g.to(tl.float32), TANH, K_BETA_TANH, K_KAPPA, K_ALPHA), T).to(tl.float32)
+    return round_to(h * u.to(tl.float32), T)
 
 
 @triton.jit
-def _gate_up_tile(x_ptr, wg_ptr, wu_ptr, out_ptr, g_ptr, u_ptr, M, N, K,
-                  stride_x, stride_wg, stride_wu, stride_o, stride_g, stride_u, pid_m, pid_n,
-                  TANH: tl.constexpr, SAVE: tl.constexpr, TMA: tl.constexpr, DOT_F32: tl.constexpr,
+def _gate_up_tile(x_ptr, wg_ptr, wu_ptr, out_ptr, M, N, K, stride_x, stride_wg, stride_wu, stride_o, pid_m, pid_n,
+                  TANH: tl.constexpr, TMA: tl.constexpr, DOT_F32: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FAST_EPI: tl.constexpr,
                   K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr):
     off_m = pid_m * BLOCK_M
@@ -161,25 +132,17 @@ def _gate_up_tile(x_ptr, wg_ptr, wu_ptr, out_ptr, g_ptr, u_ptr, M, N, K,
         else:
             acc_g = tl.dot(a, bg.T, acc_g)
             acc_u = tl.dot(a, bu.T, acc_u)
-    y, g, u = geglu_epilogue(acc_g, acc_u, T, TANH, SAVE, FAST_EPI, K_BETA_TANH, K_KAPPA, K_ALPHA)
+    y = geglu_epilogue(acc_g, acc_u, T, TANH, FAST_EPI, K_BETA_TANH, K_KAPPA, K_ALPHA)
     if TMA:
         out_ptr.store([off_m, off_n], y)
-        if SAVE:
-            g_ptr.store([off_m, off_n], g)
-            u_ptr.store([off_m, off_n], u)
     else:
         mask = (rows < M)[:, None] & (cols < N)[None, :]
-        r64 = rows.to(tl.int64)[:, None]
-        tl.store(out_ptr + r64 * stride_o + cols[None, :], y, mask=mask)
-        if SAVE:
-            tl.store(g_ptr + r64 * stride_g + cols[None, :], g, mask=mask)
-            tl.store(u_ptr + r64 * stride_u + cols[None, :], u, mask=mask)
+        tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_o + cols[None, :], y, mask=mask)
 
 
 @triton.jit
-def _gate_up_geglu_kernel(x_ptr, wg_ptr, wu_ptr, out_ptr, g_ptr, u_ptr, M, N, K,
-                          stride_x, stride_wg, stride_wu, stride_o, stride_g, stride_u,
-                          TANH: tl.constexpr, SAVE: tl.constexpr, TMA: tl.constexpr, DOT_F32: tl.constexpr,
+def _gate_up_geglu_kernel(x_ptr, wg_ptr, wu_ptr, out_ptr, M, N, K, stride_x, stride_wg, stride_wu, stride_o,
+                          TANH: tl.constexpr, TMA: tl.constexpr, DOT_F32: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
                           FAST_EPI: tl.constexpr,
@@ -190,15 +153,13 @@ def _gate_up_geglu_kernel(x_ptr, wg_ptr, wu_ptr, out_ptr, g_ptr, u_ptr, M, N, K,
         num_tiles = num_pid_m * num_pid_n
         for tile_id in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=FLATTEN):
             pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-            _gate_up_tile(x_ptr, wg_ptr, wu_ptr, out_ptr, g_ptr, u_ptr, M, N, K,
-                          stride_x, stride_wg, stride_wu, stride_o, stride_g, stride_u, pid_m, pid_n,
-                          TANH, SAVE, TMA, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_K, FAST_EPI,
+            _gate_up_tile(x_ptr, wg_ptr, wu_ptr, out_ptr, M, N, K, stride_x, stride_wg, stride_wu, stride_o,
+                          pid_m, pid_n, TANH, TMA, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_K, FAST_EPI,
                           K_BETA_TANH, K_KAPPA, K_ALPHA)
     else:
         pid_m, pid_n = _tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
-        _gate_up_tile(x_ptr, wg_ptr, wu_ptr, out_ptr, g_ptr, u_ptr, M, N, K,
-                      stride_x, stride_wg, stride_wu, stride_o, stride_g, stride_u, pid_m, pid_n,
-                      TANH, SAVE, TMA, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_K, FAST_EPI,
+        _gate_up_tile(x_ptr, wg_ptr, wu_ptr, out_ptr, M, N, K, stride_x, stride_wg, stride_wu, stride_o,
+                      pid_m, pid_n, TANH, TMA, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_K, FAST_EPI,
                       K_BETA_TANH, K_KAPPA, K_ALPHA)
 
 
@@ -212,8 +173,8 @@ def split_halves(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _paired_tile(x_ptr, w_ptr, out_ptr, g_ptr, u_ptr, M, N, K, pid_m, pid_n,
-                 TANH: tl.constexpr, SAVE: tl.constexpr, DOT_F32: tl.constexpr, GATE_FIRST: tl.constexpr,
+def _paired_tile(x_ptr, w_ptr, out_ptr, M, N, K, pid_m, pid_n,
+                 TANH: tl.constexpr, DOT_F32: tl.constexpr, GATE_FIRST: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FAST_EPI: tl.constexpr,
                  K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] tile of h with one dot of N = 2 * BLOCK_N per K step (the widest wgmma; the x tile
@@ -236,16 +197,12 @@ def _paired_tile(x_ptr, w_ptr, out_ptr, g_ptr, u_ptr, M, N, K, pid_m, pid_n,
         acc_g, acc_u = split_halves(acc, BLOCK_M, 2 * BLOCK_N)
     else:
         acc_u, acc_g = split_halves(acc, BLOCK_M, 2 * BLOCK_N)
-    y, g, u = geglu_epilogue(acc_g, acc_u, T, TANH, SAVE, FAST_EPI, K_BETA_TANH, K_KAPPA, K_ALPHA)
-    out_ptr.store([off_m, off_n], y)
-    if SAVE:
-        g_ptr.store([off_m, off_n], g)
-        u_ptr.store([off_m, off_n], u)
+    out_ptr.store([off_m, off_n], geglu_epilogue(acc_g, acc_u, T, TANH, FAST_EPI, K_BETA_TANH, K_KAPPA, K_ALPHA))
 
 
 @triton.jit
-def _paired_gate_up_geglu_kernel(x_ptr, w_ptr, out_ptr, g_ptr, u_ptr, M, N, K,
-                                 TANH: tl.constexpr, SAVE: tl.constexpr, DOT_F32: tl.constexpr,
+def _paired_gate_up_geglu_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
+                                 TANH: tl.constexpr, DOT_F32: tl.constexpr,
                                  GATE_FIRST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr,
                                  FLATTEN: tl.constexpr, FAST_EPI: tl.constexpr,
@@ -255,11 +212,11 @@ def _paired_gate_up_geglu_kernel(x_ptr, w_ptr, out_ptr, g_ptr, u_ptr, M, N, K,
     if PERSISTENT:
         for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=FLATTEN):
             pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-            _paired_tile(x_ptr, w_ptr, out_ptr, g_ptr, u_ptr, M, N, K, pid_m, pid_n, TANH, SAVE, DOT_F32, GATE_FIRST,
+            _paired_tile(x_ptr, w_ptr, out_ptr, M, N, K, pid_m, pid_n, TANH, DOT_F32, GATE_FIRST,
                          BLOCK_M, BLOCK_N, BLOCK_K, FAST_EPI, K_BETA_TANH, K_KAPPA, K_ALPHA)
     else:
         pid_m, pid_n = _tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
-        _paired_tile(x_ptr, w_ptr, out_ptr, g_ptr, u_ptr, M, N, K, pid_m, pid_n, TANH, SAVE, DOT_F32, GATE_FIRST,
+        _paired_tile(x_ptr, w_ptr, out_ptr, M, N, K, pid_m, pid_n, TANH, DOT_F32, GATE_FIRST,
                      BLOCK_M, BLOCK_N, BLOCK_K, FAST_EPI, K_BETA_TANH, K_KAPPA, K_ALPHA)
 
 

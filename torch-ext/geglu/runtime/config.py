@@ -12,11 +12,6 @@ setting            environment variable        meaning
                                                rule for the GPU's architecture says it is faster (``mlp.ops``,
                                                ``experts.ops``: from the shape, nothing timed) (default on; ``0``:
                                                eager's bits everywhere)
-``fused_training`` ``GEGLU_FUSED_TRAINING``    ``GeGLUMLP``'s training step, eager or under torch.compile, takes
-                                               the fused kernels where the Gluon backward runs (sm_90): the
-                                               gate/up GEMM saving gelu(g) and u·gelu'(g), ``dY @ Wd`` with the
-                                               dGeGLU's products in its epilogue, dx summed in one GEMM (default
-                                               off: eager's bits)
 ``cuda_plan``      ``GEGLU_CUDA_PLAN``         the compiled library's launch plan, for tuning on a new GPU
                                                and for tests: ``""`` (default) the built-in choice per size,
                                                ``"<threads>,<unroll>"`` one tile per block (threads 32..256, a
@@ -39,6 +34,7 @@ change needs no recompilation.
 
 import dataclasses
 import os
+import warnings
 from typing import Optional
 
 BACKENDS = ("auto", "cuda", "triton")
@@ -95,7 +91,6 @@ def plan_args(plan: str):
 class Config:
     backend: str = "auto"
     fused_mlp: bool = True
-    fused_training: bool = False
     cuda_plan: str = ""
     prebuilt: bool = True
 
@@ -105,15 +100,18 @@ class Config:
             backend=parse_backend(env.get("GEGLU_BACKEND") or "auto", "GEGLU_BACKEND"),
             fused_mlp=_switch("GEGLU_FUSED_MLP", env.get("GEGLU_FUSED_MLP"), True,
                               "use the fused MLP forward where it is faster", "never"),
-            fused_training=_switch("GEGLU_FUSED_TRAINING", env.get("GEGLU_FUSED_TRAINING"), False,
-                                   "GeGLUMLP's training step with the fused kernels where the Gluon backward runs",
-                                   "eager's bits"),
             cuda_plan=parse_cuda_plan(env.get("GEGLU_CUDA_PLAN") or "", "GEGLU_CUDA_PLAN"),
             prebuilt=_switch("GEGLU_PREBUILT", env.get("GEGLU_PREBUILT"), True,
                              "launch the kernels this variant ships prebuilt", "Triton's JIT for every Triton kernel"))
 
 
 current = Config.from_env()
+
+_NO_FUSED_TRAINING = ("the fused_training setting (GEGLU_FUSED_TRAINING) is no longer offered: it did not make a "
+                      "model's training step faster (docs/fused-mlp.md), so GeGLUMLP's training step always takes "
+                      "its default path. Remove it from your configuration.")
+if os.environ.get("GEGLU_FUSED_TRAINING", "").strip():
+    warnings.warn(f"geglu: GEGLU_FUSED_TRAINING is set, but {_NO_FUSED_TRAINING}", stacklevel=2)
 
 
 class _Restore:
@@ -161,13 +159,15 @@ def _apply_plan(plan: str) -> None:
 
 
 def configure(**changes) -> _Restore:
-    """Change settings (``backend``, ``fused_mlp``, ``fused_training``, ``cuda_plan``, ``prebuilt``); returns a
+    """Change settings (``backend``, ``fused_mlp``, ``cuda_plan``, ``prebuilt``); returns a
     context manager that restores the previous ones."""
     global current
     unknown = set(changes) - {f.name for f in dataclasses.fields(Config)}
+    if "fused_training" in unknown:
+        raise TypeError(f"geglu.configure: {_NO_FUSED_TRAINING}")
     if unknown:
         raise TypeError(f"geglu.configure: unknown setting(s) {', '.join(sorted(unknown))}; expected backend, "
-                        "fused_mlp, fused_training, cuda_plan or prebuilt.")
+                        "fused_mlp, cuda_plan or prebuilt.")
     if "backend" in changes:
         changes["backend"] = parse_backend(changes["backend"], "geglu.configure(backend)")
         if changes["backend"] == "cuda":
@@ -177,7 +177,7 @@ def configure(**changes) -> _Restore:
                 raise RuntimeError(
                     "geglu.configure(backend='cuda'): this build variant has no compiled CUDA library (it is a "
                     "Triton/CPU variant). Load the torch-stable-abi* variant, or use 'triton' / 'auto'.")
-    for name in ("fused_mlp", "fused_training", "prebuilt"):
+    for name in ("fused_mlp", "prebuilt"):
         if name in changes and not isinstance(changes[name], bool):
             raise TypeError(f"geglu.configure({name}={changes[name]!r}): expected True or False.")
     if "cuda_plan" in changes:
