@@ -391,6 +391,35 @@ def test_summary_has_the_peak_memory_ratio_where_peaks_were_measured():
     assert "peak memory" not in summary_markdown(result)
 
 
+def test_peak_memory_is_what_the_call_requested_beside_what_the_allocator_gave(monkeypatch):
+    """A call's peak is measured above what was live before it, twice: as requested by the tensors (the ratios use
+    it: the caching allocator may hand out a cached block up to 1 MiB larger than asked for, depending on what the
+    process ran before) and as allocated; the report shows both, and an older result's single figure as the
+    allocator's."""
+    import torch
+
+    from kerneltools.bench.model import rounds
+    from kerneltools.bench.model.report import _peak_cell
+
+    stats = {"requested_bytes.all.current": 100 << 20, "allocated_bytes.all.current": 110 << 20,
+             "requested_bytes.all.peak": 100 << 20, "allocated_bytes.all.peak": 110 << 20}
+
+    def call(m):
+        stats["requested_bytes.all.peak"] = 612 << 20  # 512 MiB more at the peak, as asked for
+        stats["allocated_bytes.all.peak"] = 650 << 20  # 540 MiB more in the allocator's blocks
+
+    for name, fn in (("synchronize", lambda: None), ("reset_peak_memory_stats", lambda: None),
+                     ("memory_stats", lambda: dict(stats))):
+        monkeypatch.setattr(torch.cuda, name, fn)
+    on = type("Setup", (), {"device": "cuda"})()
+    off = type("Setup", (), {"device": "cpu"})()
+    assert rounds._peak_mib(on, call, None) == (512.0, 540.0)
+    assert rounds._peak_mib(off, call, None) == (None, None)
+    assert _peak_cell(dict(peak_mib=512.0, peak_alloc_mib=540.0)) == "512.0 / 540.0"
+    assert _peak_cell(dict(peak_mib=540.0)) == "– / 540.0"
+    assert _peak_cell(dict(peak_mib=None, peak_alloc_mib=None)) == "– / –"
+
+
 def test_serve_part_times_batch_1_prompt_lengths_through_one_dynamic_graph(build_dir, tmp_path):
     """--parts serve: a row per prompt length (batch 1) and a short batch-1 decode through the model's forward; the
     compile modes' forwards are made dynamic before the first row, so that its first call compiles nothing."""

@@ -89,10 +89,10 @@ def pool(results: list) -> dict:
             for mode in row["modes"]:
                 vs = [x["modes"][mode] for x in same]
                 ms = median([v["ms"] for v in vs])
-                peaks = [v["peak_mib"] for v in vs if v["peak_mib"] is not None]
+                peaks = {k: [v[k] for v in vs if v.get(k) is not None] for k in ("peak_mib", "peak_alloc_mib")}
                 m = dict(ms=round(ms, 2), tokens_per_s=round(row["tokens"] / (ms / 1e3), 1),
                          first_call_s=round(median([v["first_call_s"] for v in vs]), 3),
-                         peak_mib=max(peaks) if peaks else None, new_graphs=vs[0]["new_graphs"])
+                         **{k: max(p) if p else None for k, p in peaks.items()}, new_graphs=vs[0]["new_graphs"])
                 for key in ("vs_eager", "vs_compile"):
                     rounds = [x for v in vs for x in (v.get(f"{key}_rounds") or [])]
                     m[key] = _spread(rounds) if rounds else None

@@ -84,13 +84,14 @@ def to_markdown(result: dict) -> str:
                       f"{run['reps']} calls{_in_processes(run)}{_settings(run['meta'])}.", ""]
         elif run is not None and run["meta"].get("settings") != m.get("settings"):
             lines += [f"Settings: {_named_settings(run['meta']) or 'the defaults'}.", ""]
-        lines += ["| part | mode | ms | tokens/s | / eager | / compile | first call s | graphs | peak MiB |",
+        lines += ["| part | mode | ms | tokens/s | / eager | / compile | first call s | graphs | peak MiB "
+                  "(requested / allocated) |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for row in res["rows"]:
             for mode, v in row["modes"].items():
                 lines.append(f"| {row['part']} | {mode} | {v['ms']} | {v['tokens_per_s']} | {_cell(v['vs_eager'])} "
                              f"| {_cell(v['vs_compile'])} | {v['first_call_s']} | {_cell(v.get('new_graphs'))} "
-                             f"| {_cell(v['peak_mib'])} |")
+                             f"| {_peak_cell(v)} |")
         per_process = [line for line in map(_per_process, res["rows"]) if line]
         if per_process:
             lines += ["", "Each process's median ratio (the ratios above pool every process's rounds): "
@@ -160,9 +161,19 @@ def _gpu_ratio(row: dict, mode: str, base: str) -> float | None:
     return None
 
 
+def _peak_cell(v: dict) -> str:
+    """A mode's peak memory of one call: requested / allocated MiB (results before the allocated figure was kept
+    recorded the allocator's bytes alone: shown as "– / allocated")."""
+    if "peak_alloc_mib" not in v:
+        return f"– / {_cell(v['peak_mib'])}" if v.get("peak_mib") is not None else "–"
+    return f"{_cell(v['peak_mib'])} / {_cell(v['peak_alloc_mib'])}"
+
+
 def peak_ratio(row: dict, mode: str, base: str) -> float | None:
-    """``mode``'s peak memory above the model during one call over ``base``'s (None where either was not
-    measured: CPU runs, or a mode the row did not time)."""
+    """``mode``'s peak memory above the model during one call over ``base``'s, as the tensors requested it (the
+    program's own need; the allocator's rounding of it depends on what the process ran before), or the allocator's
+    figure where an older result has only that (None where either was not measured: CPU runs, or a mode the row
+    did not time)."""
     peaks = [row["modes"].get(mo, {}).get("peak_mib") for mo in (mode, base)]
     return peaks[0] / peaks[1] if all(peaks) else None
 

@@ -191,17 +191,23 @@ def _time_once(s: Setup, fn, m) -> float:
     return time.perf_counter() - t0
 
 
-def _peak_mib(s: Setup, fn, m) -> float | None:
+def _peak_mib(s: Setup, fn, m) -> tuple:
+    """(requested, allocated): the peak of one call above what was live before it, in MiB, as the tensors asked
+    for it (``requested_bytes``) and as the caching allocator handed it out (``allocated_bytes``: each block
+    rounded up, and a cached block up to 1 MiB larger than asked for given whole, so it depends on what the
+    process ran before). (None, None) off CUDA."""
     import torch
 
     if s.device != "cuda":
-        return None
+        return None, None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
+    before = torch.cuda.memory_stats()
     fn(m)
     torch.cuda.synchronize()
-    return round((torch.cuda.max_memory_allocated() - before) / 2**20, 1)
+    after = torch.cuda.memory_stats()
+    return tuple(round((after[f"{k}_bytes.all.peak"] - before[f"{k}_bytes.all.current"]) / 2**20, 1)
+                 for k in ("requested", "allocated"))
 
 
 def _round_ratios(times: dict, base: str) -> dict:
@@ -248,7 +254,7 @@ def run_part(s: Setup, part: str, modes: list, rounds: int, reps: int, batch: in
     fn, tokens, training = make_part(s, part, batch, length)
     label = part_label(part, batch, length)
     calls = {mode: functools.partial(fn, compiled="compile" in mode) for mode in modes}
-    first, peaks, graphs, times = {}, {}, {}, {mode: [] for mode in modes}
+    first, peaks, allocated, graphs, times = {}, {}, {}, {}, {mode: [] for mode in modes}
     for m in s.models.values():
         m.train(training)
         if training and id(m) not in s.optimizers:
@@ -261,7 +267,7 @@ def run_part(s: Setup, part: str, modes: list, rounds: int, reps: int, batch: in
         with _as_mode(s, mode, part) as m:
             first[mode] = round(_time_once(s, call, m), 3)
             _time_once(s, call, m)
-            peaks[mode] = _peak_mib(s, call, m)
+            peaks[mode], allocated[mode] = _peak_mib(s, call, m)
         graphs[mode] = int(counters["stats"]["unique_graphs"] - made)
         log(f"  {s.spec.name} {label} {mode}: first call {first[mode]:.1f} s, {graphs[mode]} new graphs")
     for r in range(rounds):
@@ -274,7 +280,8 @@ def run_part(s: Setup, part: str, modes: list, rounds: int, reps: int, batch: in
     for mode in modes:
         t = median(times[mode])
         row["modes"][mode] = dict(ms=round(t * 1e3, 2), tokens_per_s=round(tokens / t, 1),
-                                  first_call_s=first[mode], peak_mib=peaks[mode], new_graphs=graphs[mode])
+                                  first_call_s=first[mode], peak_mib=peaks[mode], peak_alloc_mib=allocated[mode],
+                                  new_graphs=graphs[mode])
         for key, rs in by_round.items():
             row["modes"][mode][key] = _spread(rs[mode]) if mode in rs else None
             row["modes"][mode][f"{key}_rounds"] = [round(x, 4) for x in rs[mode]] if mode in rs else None
