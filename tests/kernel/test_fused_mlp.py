@@ -341,8 +341,13 @@ def test_shipped_rule(mlp, monkeypatch):
     assert mlp.fused_rule(M, 2560, H, cuda) and mlp.fused_rule(16384, 2560, 10240, cuda)
     assert not mlp.fused_rule(M - 1, 2560, 1 << 16, cuda)
     assert not mlp.fused_rule(M, 2560, H - 1, cuda)
+    # a compiled graph calls the op only from compiled_min_work: below it the op's host cost would show
+    assert mlp._traced_rule(torch.bfloat16, cuda) == (M, rule["compiled_min_work"]) and rule["compiled_min_work"] > \
+        rule["min_work"]
+    assert mlp._traced_rule(torch.float32, cuda) is None
     monkeypatch.setattr(_backend_of(mlp), "capability_major", lambda device: 8)
     assert not mlp.fused_rule(1 << 20, 4096, 1 << 16, cuda)
+    assert mlp._traced_rule(torch.bfloat16, cuda) is None
     assert mlp.fused_rule(1, 1, 1, torch.device("cpu"))
 
 

@@ -75,8 +75,10 @@ def inference(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, approxima
 # runs. Measured by `python -m kerneltools.bench.fused_rule` (docs/fused-mlp.md, "The shipped rule"): on the GPU
 # the fused path is faster from 1024 rows at every width of the supported models (below that the wide ones lose);
 # launched from Python it costs the host about 90 us more than the regular path, which a call of less work than
-# min_work (~0.1 ms of GEMM) does not hide.
-FUSED_RULES = {9: dict(min_m=1024, min_work=12e9)}
+# min_work (~0.1 ms of GEMM) does not hide. Inside a compiled graph the rest of the forward costs the host little, so
+# the op's own host cost shows unless its GPU work covers it: `compiled_min_work` (measured with
+# `kerneltools bench --parts serve`, docs/fused-mlp.md) is the least M * D * H at which a compiled graph calls it.
+FUSED_RULES = {9: dict(min_m=1024, min_work=12e9, compiled_min_work=40e9)}
 
 
 def fused_rule(M: int, D: int, H: int, device: torch.device) -> bool:
@@ -87,14 +89,16 @@ def fused_rule(M: int, D: int, H: int, device: torch.device) -> bool:
 
 @torch.compiler.assume_constant_result
 def _traced_rule(dtype: torch.dtype, device: torch.device) -> Optional[Tuple[int, float]]:
-    """(least rows, least M * D * H) from which the inference op may take the fused path for tensors of this dtype on
-    this device, or None where it never does. Under torch.compile this is read once, when a graph is traced (no
+    """(least rows, least M * D * H) from which a compiled graph calls the inference op for tensors of this dtype on
+    this device (the shipped rule with its ``compiled_min_work``), or None where it never does. Under torch.compile this is read once, when a graph is traced (no
     guard): a later change of the ``fused_mlp`` or ``backend`` setting holds for graphs traced after it."""
     if not _config.current.fused_mlp or dtype not in _LOW:
         return None
     if device.type == "cuda":
         rule = FUSED_RULES.get(_backend.capability_major(device))
-        return None if rule is None else (max(rule["min_m"], DECODE_MAX_M + 1), rule["min_work"])
+        if rule is None:
+            return None
+        return max(rule["min_m"], DECODE_MAX_M + 1), max(rule["min_work"], rule.get("compiled_min_work", 0.0))
     if device.type == "cpu" and _config.current.backend == "triton":  # the Triton interpreter (tests)
         try:
             return (DECODE_MAX_M + 1, 0.0) if _kernels().INTERPRET else None
