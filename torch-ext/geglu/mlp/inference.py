@@ -90,8 +90,9 @@ def fused_rule(M: int, D: int, H: int, device: torch.device) -> bool:
 @torch.compiler.assume_constant_result
 def _traced_rule(dtype: torch.dtype, device: torch.device) -> Optional[Tuple[int, float]]:
     """(least rows, least M * D * H) from which a compiled graph calls the inference op for tensors of this dtype on
-    this device (the shipped rule with its ``compiled_min_work``), or None where it never does. Under torch.compile this is read once, when a graph is traced (no
-    guard): a later change of the ``fused_mlp`` or ``backend`` setting holds for graphs traced after it."""
+    this device (the shipped rule with its ``compiled_min_work``), or None where it never does. Under torch.compile
+    this is read once, when a graph is traced (no guard): a later change of the ``fused_mlp`` or ``backend`` setting
+    holds for graphs traced after it."""
     if not _config.current.fused_mlp or dtype not in _LOW:
         return None
     if device.type == "cuda":
