@@ -297,7 +297,12 @@ def _instantiate(cfg_name, model_name, kwargs, overrides, save_dir):
         return ref, copy.deepcopy(ref)
     ref.save_pretrained(save_dir)
     assert (Path(save_dir) / "model.safetensors").is_file(), os.listdir(save_dir)
-    return ref, model_cls.from_pretrained(save_dir).eval()
+    # use_kernels=False: from transformers 5.25, from_pretrained kernelizes by default, and model.train() then
+    # kernelizes again with transformers' own mapping on the model's device (kernels-community layers on CUDA, whose
+    # publisher check the loopback Hub cannot answer). These checks kernelize explicitly, with this kernel's mapping.
+    model = model_cls.from_pretrained(save_dir, use_kernels=False).eval()
+    assert not model.use_kernels, "from_pretrained(use_kernels=False) left transformers' kernelize on"
+    return ref, model
 
 
 def build(name, overrides=None, save_dir=None):
