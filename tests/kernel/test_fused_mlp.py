@@ -486,11 +486,17 @@ def test_compile_with_inductor_equals_eager_mode_and_the_compiled_host(geglu, fu
     step compiles the host's ops, so forward and gradients equal the compiled unkernelized MLP's bit for bit (the
     same Inductor code) and stay within bf16 rounding of eager mode's."""
     m, x = _layer(geglu, 32, 48, torch.bfloat16, "tanh")
+    sides = set()
+    for rows in (xl, x):  # 2048 rows: M*D*H above sm_90's compiled_min_work; 1024: below it
+        torch._dynamo.reset()
+        f, host = torch.compile(m, fullgraph=True), torch.compile(_HostMLP(m), fullgraph=True)
+        with torch.no_grad():
+            op = fresh_decisions.traced_op(rows, wg)
+            sides.add(op)
+            assert torch.equal(f(rows), m(rows) if op else host(rows)), (rows.shape[0], op)
+    assert sides == {True, False} or torch.cuda.get_device_capability()[0] != 9, sides
     torch._dynamo.reset()
-    f = torch.compile(m, fullgraph=True)
-    with torch.no_grad():
-        assert torch.equal(f(x), m(x))
-    host = torch.compile(_HostMLP(m), fullgraph=True)
+    f, host = torch.compile(m, fullgraph=True), torch.compile(_HostMLP(m), fullgraph=True)
     ours = _run(_through(f, scale=2), x, *_weights(m), "tanh")
     theirs = _run(_through(host, scale=2), x, *_weights(m), "tanh")
     _assert_equal(ours, theirs, "compiled training against the compiled host")
@@ -650,10 +656,12 @@ def test_gpu_inference_follows_the_rule_and_captures_in_a_graph(geglu, fresh_dec
 
 @pytest.mark.gpu
 def test_gpu_opcheck_and_inductor_real_shape(geglu, fresh_decisions):
-    """At a real shape on the GPU: opcheck of the ops; torch.compile (Inductor) of the layer equal to eager mode bit
-    for bit in inference (the fused path's run-time choice included); a compiled training step equal to the
+    """At a real shape on the GPU: opcheck of the ops; torch.compile (Inductor) of the layer in inference equal bit
+    for bit to eager mode where the compiled rule calls the op (``inference.traced_op``), and to the compiled host
+    MLP where it traces the host's ops (below ``compiled_min_work``); a compiled training step equal to the
     compiled host MLP's bit for bit (it traces the host's ops) and within bf16 rounding of eager mode's."""
-    x, wg, wu, wd = _data(1024, 2304, 9216, torch.bfloat16, device="cuda")
+    xl, wg, wu, wd = _data(2048, 2304, 9216, torch.bfloat16, device="cuda")
+    x = xl[:1024]
     torch.library.opcheck(geglu.ops.geglu_mlp.default, (x, wg, wu, wd, "tanh"))
     torch.library.opcheck(geglu.ops.geglu_mlp_train.default,
                           (*[t.clone().requires_grad_() for t in (x, wg, wu, wd)], "none"))
@@ -661,11 +669,17 @@ def test_gpu_opcheck_and_inductor_real_shape(geglu, fresh_decisions):
     with torch.no_grad():
         for lin, w in ((m.gate_proj, wg), (m.up_proj, wu), (m.down_proj, wd)):
             lin.weight.copy_(w)
+    sides = set()
+    for rows in (xl, x):  # 2048 rows: M*D*H above sm_90's compiled_min_work; 1024: below it
+        torch._dynamo.reset()
+        f, host = torch.compile(m, fullgraph=True), torch.compile(_HostMLP(m), fullgraph=True)
+        with torch.no_grad():
+            op = fresh_decisions.traced_op(rows, wg)
+            sides.add(op)
+            assert torch.equal(f(rows), m(rows) if op else host(rows)), (rows.shape[0], op)
+    assert sides == {True, False} or torch.cuda.get_device_capability()[0] != 9, sides
     torch._dynamo.reset()
-    f = torch.compile(m, fullgraph=True)
-    with torch.no_grad():
-        assert torch.equal(f(x), m(x))
-    host = torch.compile(_HostMLP(m), fullgraph=True)
+    f, host = torch.compile(m, fullgraph=True), torch.compile(_HostMLP(m), fullgraph=True)
     ours = _run(_through(f, scale=2), x, *_weights(m), "tanh")
     _assert_equal(ours, _run(_through(host, scale=2), x, *_weights(m), "tanh"), "compiled training, compiled host")
     eager = _run(_through(m, scale=2), x, *_weights(m), "tanh")
