@@ -486,17 +486,11 @@ def test_compile_with_inductor_equals_eager_mode_and_the_compiled_host(geglu, fu
     step compiles the host's ops, so forward and gradients equal the compiled unkernelized MLP's bit for bit (the
     same Inductor code) and stay within bf16 rounding of eager mode's."""
     m, x = _layer(geglu, 32, 48, torch.bfloat16, "tanh")
-    sides = set()
-    for rows in (xl, x):  # 2048 rows: M*D*H above sm_90's compiled_min_work; 1024: below it
-        torch._dynamo.reset()
-        f, host = torch.compile(m, fullgraph=True), torch.compile(_HostMLP(m), fullgraph=True)
-        with torch.no_grad():
-            op = fresh_decisions.traced_op(rows, wg)
-            sides.add(op)
-            assert torch.equal(f(rows), m(rows) if op else host(rows)), (rows.shape[0], op)
-    assert sides == {True, False} or torch.cuda.get_device_capability()[0] != 9, sides
     torch._dynamo.reset()
-    f, host = torch.compile(m, fullgraph=True), torch.compile(_HostMLP(m), fullgraph=True)
+    f = torch.compile(m, fullgraph=True)
+    with torch.no_grad():
+        assert torch.equal(f(x), m(x))
+    host = torch.compile(_HostMLP(m), fullgraph=True)
     ours = _run(_through(f, scale=2), x, *_weights(m), "tanh")
     theirs = _run(_through(host, scale=2), x, *_weights(m), "tanh")
     _assert_equal(ours, theirs, "compiled training against the compiled host")
