@@ -181,6 +181,9 @@ for name in sys.argv[2:]:
         kwargs["decoder_input_ids"] = torch.zeros(2, 1, dtype=torch.long)
     out[name] = dict(layers=s.models["eager"].config.num_hidden_layers,
                      **{k: compiled_ops(s.models[k].eval(), kwargs) for k in ("eager", "kernelized")})
+    if s.spec.kind == "causal":  # a prompt of ROPE_OP_MIN_ROWS positions: the rotary op's side of its rule
+        kwargs = dict(input_ids=bm._ids(s, 1, 2048))
+        out[name]["long"] = {k: compiled_ops(s.models[k].eval(), kwargs) for k in ("eager", "kernelized")}
 print(json.dumps(out))
 """
 
@@ -201,27 +204,27 @@ def _compiled(build_dir) -> dict:
 
 
 def test_compiled_graph_is_the_hosts_but_for_the_rope_op(build_dir):
-    """Under torch.compile a kernelized model traces to the host's graph op for op and in its order, except that the
-    Gemma rotary embedding's cos and sin are one op per table. The pointwise layers (T5, ModernBERT) and the norms
-    run the host's math there, and so does GeGLUMLP where its fused path cannot run (here: fp32 on CPU), all of
-    which Inductor fuses (tests/kernel/test_fused_mlp.py checks the MLP op where the fused path may run). (In a
-    fresh process: building the models registers the kernel mapping and points LOCAL_KERNELS at the build.)"""
+    """Under torch.compile a kernelized model traces to the host's graph op for op and in its order, except that from
+    ``ROPE_OP_MIN_ROWS`` positions on the Gemma rotary embedding's cos and sin are one op per table. The pointwise
+    layers (T5, ModernBERT) and the norms run the host's math there, and so does GeGLUMLP where its fused path
+    cannot run (here: fp32 on CPU), all of which Inductor fuses (tests/kernel/test_fused_mlp.py checks the MLP op
+    where the fused path may run). (In a fresh process: building the models registers the kernel mapping and points
+    LOCAL_KERNELS at the build.)"""
     import collections
 
     res = _compiled(build_dir)
-    for name in _COMPILED_MODELS:
-        if name != "gemma3-4b":  # the host's ops in the host's order (Inductor schedules by it)
-            assert res[name]["kernelized"]["ops"] == res[name]["eager"]["ops"], name
-            continue
-        host, ours = collections.Counter(res[name]["eager"]["ops"]), collections.Counter(res[name]["kernelized"]["ops"])
-        mine = {op.split(".")[-2]: n for op, n in ours.items() if "_geglu_" in op}  # ns.name.default
-        ropes = mine.pop("rope_cos_sin", 0)
-        assert mine == {} and ropes >= 1, (mine, ropes)
-        # each rotary table's position product, cat and two scalings (cos and sin are methods, not functions) are
-        # what the RoPE op replaced, whose pair of outputs adds a getitem
-        added = set(ours - host) - {op for op in ours if "_geglu_" in op}
-        assert sum((host - ours).values()) == 4 * ropes and added == {"<built-in function getitem>"}, \
-            (host - ours, ours - host)
+    for name in _COMPILED_MODELS:  # 2 x 24 positions: the host's ops in the host's order (Inductor schedules by it)
+        assert res[name]["kernelized"]["ops"] == res[name]["eager"]["ops"], name
+    long = res["gemma3-4b"]["long"]  # 1 x 2048 positions
+    host, ours = collections.Counter(long["eager"]["ops"]), collections.Counter(long["kernelized"]["ops"])
+    mine = {op.split(".")[-2]: n for op, n in ours.items() if "_geglu_" in op}  # ns.name.default
+    ropes = mine.pop("rope_cos_sin", 0)
+    assert mine == {} and ropes >= 1, (mine, ropes)
+    # each rotary table's position product, cat and two scalings (cos and sin are methods, not functions) are what
+    # the RoPE op replaced, whose pair of outputs adds a getitem
+    added = set(ours - host) - {op for op in ours if "_geglu_" in op}
+    assert sum((host - ours).values()) == 4 * ropes and added == {"<built-in function getitem>"}, \
+        (host - ours, ours - host)
 
 
 def test_layers_add_no_python_guard_per_module_under_compile(build_dir):

@@ -4,9 +4,10 @@ LayerTypeRotaryEmbedding of a local build of this checkout.
 * The table: every class's forward is one of the two host forms op for op (source compared), so the op computes
   its formula.
 * Eager: a kernelized model's rotary embedding runs the host's forward (same bits, the op not called).
-* torch.compile: the traced graph calls the op ``rope_cos_sin`` (Inductor then reads cos and sin instead of
-  recomputing them per layer), whose outputs equal the host's eager cos and sin bit for bit, and the compiled
-  kernelized model's logits equal those of the host compiled with the same backend.
+* torch.compile: from ``ROPE_OP_MIN_ROWS`` positions on, the traced graph calls the op ``rope_cos_sin`` (Inductor
+  then reads cos and sin instead of recomputing them per layer), whose outputs equal the host's eager cos and sin
+  bit for bit; fewer positions trace the host's forward (no op); with dynamic shapes each side of the rule gets its
+  graph. The compiled kernelized model's logits equal those of the host compiled with the same backend.
 * A dynamic rope table keeps its own forward (its inv_freq changes inside the host's forward).
 """
 
@@ -94,7 +95,8 @@ def _ours(module) -> bool:
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_eager_runs_the_hosts_forward_and_compile_the_op(build_dir, family, dtype):
+@pytest.mark.parametrize("shape", [(2, 1024), (3, 17)], ids=["2048-positions", "51-positions"])
+def test_eager_runs_the_hosts_forward_and_compile_the_op(build_dir, family, dtype, shape):
     host = _tiny(family).to(dtype)
     kern = copy.deepcopy(host)
     with use_kernel_mapping(_mapping(build_dir), inherit_mapping=False):
@@ -102,8 +104,8 @@ def test_eager_runs_the_hosts_forward_and_compile_the_op(build_dir, family, dtyp
     rot = kern.model.rotary_emb
     assert _ours(rot) and type(rot) is type(host.model.rotary_emb)
     g = torch.Generator().manual_seed(hash((family, str(dtype))) % 2**31)
-    positions = torch.randint(0, 4096, (3, 17), generator=g)
-    x = torch.randn(3, 17, 64, dtype=dtype, generator=g)
+    positions = torch.randint(0, 4096, shape, generator=g)
+    x = torch.randn(*shape, 64, dtype=dtype, generator=g)
     want = _cos_sin(host, positions, x)
     with _OpsCalled() as called:
         got = _cos_sin(kern, positions, x)
@@ -121,10 +123,51 @@ def test_eager_runs_the_hosts_forward_and_compile_the_op(build_dir, family, dtyp
     compiled = torch.compile(lambda p, x: _cos_sin(kern, p, x), backend=backend, fullgraph=True)
     got = compiled(positions, x)
     targets = [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
-    assert sum("rope_cos_sin" in t for t in targets) == len(want), targets
-    assert not any("cos" in t and "rope" not in t for t in targets), targets  # no cos of its own left in the graph
+    own_cos = [t for t in targets if "cos" in t and "rope" not in t]
+    if positions.numel() >= _min_rows(build_dir):
+        assert sum("rope_cos_sin" in t for t in targets) == len(want), targets
+        assert not own_cos, targets  # no cos of its own left in the graph
+    else:  # the host's forward, traced
+        assert not any("rope_cos_sin" in t for t in targets), targets
     for t in want:
         assert all(torch.equal(a, b) for a, b in zip(got[t], want[t])), t
+
+
+def _min_rows(build_dir) -> int:
+    """``ROPE_OP_MIN_ROWS`` of the build's package (the copy kernelize loads)."""
+    import ast
+
+    (rope,) = build_dir.glob("torch-cpu/_rope.py")
+    tree = ast.parse(rope.read_text())
+    (value,) = [n.value.value for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "ROPE_OP_MIN_ROWS"]
+    return value
+
+
+def test_dynamic_shapes_get_a_graph_per_side_of_the_rule(build_dir):
+    """With dynamic positions the rule is one guard on the symbolic count: the lengths below it share the host's
+    graph, those from it on the op's, and every output equals the host's eager cos and sin."""
+    host = _tiny("gemma3")
+    kern = copy.deepcopy(host)
+    with use_kernel_mapping(_mapping(build_dir), inherit_mapping=False):
+        kernelize(kern, mode=Mode.INFERENCE | Mode.TORCH_COMPILE, device="cpu")
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda p, x: _cos_sin(kern, p, x), backend=backend, dynamic=True, fullgraph=True)
+    g = torch.Generator().manual_seed(5)
+    n = _min_rows(build_dir)
+    for length in (17, 40, n - 1, n, n + 300, 23):
+        positions = torch.randint(0, 4096, (1, length), generator=g)
+        x = torch.randn(1, length, 64, generator=g)
+        got, want = compiled(positions, x), _cos_sin(host, positions, x)
+        for t in want:
+            assert all(torch.equal(a, b) for a, b in zip(got[t], want[t])), (length, t)
+    assert len(graphs) == 2, graphs
+    assert [any("rope_cos_sin" in t for t in gr) for gr in graphs] == [False, True], graphs
 
 
 def test_compiled_model_logits_equal_the_compiled_hosts(build_dir):

@@ -16,6 +16,11 @@ from torch import Tensor
 from ._ops import add_op_namespace_prefix
 from .runtime import library as _library
 
+# The rotary layers call the op under torch.compile from this many positions (batch x sequence) on. Below it a
+# forward is host-bound: the op's call costs the host more than the recomputation it saves costs the GPU, so the
+# graph traces the host's forward (benchmarks/results/h200/serve.md).
+ROPE_OP_MIN_ROWS = 2048
+
 
 @_library.op(add_op_namespace_prefix("rope_cos_sin"))
 def rope_cos_sin(position_ids: Tensor, inv_freq: Tensor, attention_scaling: float,
@@ -36,4 +41,4 @@ def _(position_ids, inv_freq, attention_scaling, dtype):
     return position_ids.new_empty(shape, dtype=dtype), position_ids.new_empty(shape, dtype=dtype)
 
 
-__all__ = ["rope_cos_sin"]
+__all__ = ["rope_cos_sin", "ROPE_OP_MIN_ROWS"]

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ._activations import gelu_approximation
-from ._rope import rope_cos_sin as _rope_cos_sin
+from ._rope import ROPE_OP_MIN_ROWS, rope_cos_sin as _rope_cos_sin
 from .experts.layers import GeGLUExperts, GeGLUExpertsGate
 from .functional import gated_packed, gated_proj
 from .mlp import ops as _mlp
@@ -280,15 +280,16 @@ def _rotary(module, x: torch.Tensor, position_ids: torch.Tensor, prefix: str):
 class RotaryEmbedding(nn.Module):
     """Replaces the Gemma models' rotary embedding ``forward(x, position_ids)`` returning ``cos, sin`` of the
     positions times ``inv_freq`` (the classes of transformers_kernels.ROPE_CLASSES). Eager runs the host's own
-    forward. Under torch.compile one op (``_rope.rope_cos_sin``: the host's formula, eager's bits) computes them, and
-    Inductor reads them from memory instead of recomputing them inside every attention layer's q/k norm + RoPE
-    kernel (``_rope``'s docstring has the measurement). Positions need no gradient."""
+    forward. Under torch.compile, from ``_rope.ROPE_OP_MIN_ROWS`` positions (batch x sequence) on, one op
+    (``_rope.rope_cos_sin``: the host's formula, eager's bits) computes them, and Inductor reads them from memory
+    instead of recomputing them inside every attention layer's q/k norm + RoPE kernel; fewer positions trace the
+    host's forward (one guard on the symbolic position count). Positions need no gradient."""
 
     can_torch_compile = True
     has_backward = True
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
-        if not _is_compiling():
+        if not _is_compiling() or position_ids.numel() < ROPE_OP_MIN_ROWS:
             return type(self).forward(self, x, position_ids)  # the host's forward
         return _rotary(self, x, position_ids, "")
 
@@ -301,7 +302,7 @@ class LayerTypeRotaryEmbedding(nn.Module):
     has_backward = True
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, layer_type):
-        if not _is_compiling():
+        if not _is_compiling() or position_ids.numel() < ROPE_OP_MIN_ROWS:
             return type(self).forward(self, x, position_ids, layer_type)  # the host's forward
         return _rotary(self, x, position_ids, f"{layer_type}_")
 
