@@ -1,8 +1,8 @@
 """GeGLU kernels: ``out = gelu(gate) * up`` (exact and tanh GELU), forward and backward, fp32/fp16/bf16.
 
-CUDA tensors run the compiled CUDA library when this build variant ships it, else Triton kernels; CPU tensors run
-a CPU implementation with eager PyTorch's numerics. ``configure`` (or the ``GEGLU_*`` environment variables) sets
-which implementation runs and whether the MLP layer may use its fused kernels.
+CUDA tensors run the compiled CUDA library when this build variant ships it, else Triton; CPU tensors run eager
+PyTorch's numerics. ``configure`` (or the ``GEGLU_*`` environment variables) sets the implementation and whether
+the MLP layer may use its fused kernels.
 """
 
 from . import _sharding, layers  # _sharding: DTensor sharding rules for the ops, where torch.distributed exists
@@ -16,8 +16,7 @@ from .runtime.config import Config, configure, get_config
 
 prebuilt_kernels = _aot.info
 
-if HAS_CUDA_LIB:  # the compiled variant: import its Triton kernel modules (and Triton) and read the index of its
-    # prebuilt kernels now, when the model loads, not in its first call
+if HAS_CUDA_LIB:  # load the Triton kernel modules and the prebuilt-kernel index at import, not on first call
     try:
         from .mlp import kernels as _mlp_kernels  # noqa: F401
         from .pointwise import kernels as _pointwise_kernels  # noqa: F401
@@ -28,21 +27,7 @@ if HAS_CUDA_LIB:  # the compiled variant: import its Triton kernel modules (and 
         pass
 
 __all__ = [
-    "geglu",
-    "geglu_packed",
-    "geglu_backward",
-    "gelu_and_mul",
-    "gelu_tanh_and_mul",
-    "configure",
-    "get_config",
-    "Config",
-    "rms_norm",
-    "prebuilt_kernels",
-    "set_backend",
-    "get_backend",
-    "HAS_CUDA_LIB",
-    "ops",
-    "layers",
-    "register_transformers",
-    "transformers_kernel_config",
+    "geglu", "geglu_packed", "geglu_backward", "gelu_and_mul", "gelu_tanh_and_mul", "configure", "get_config",
+    "Config", "rms_norm", "prebuilt_kernels", "set_backend", "get_backend", "HAS_CUDA_LIB", "ops", "layers",
+    "register_transformers", "transformers_kernel_config",
 ]

@@ -1,11 +1,8 @@
-"""Which host activations are a GELU the kernels compute, and which flavour.
+"""Which host activations are a GELU the kernels compute, and which flavour ('none' or 'tanh').
 
-The one list of transformers' activation classes by the GELU they compute (the tooling loads this file too, to
-decide whether kernelize should swap a module's forward at all). Exact matches of ``F.gelu`` first; the tanh-formula
-variants (``gelu_new``, ``gelu_fast``, ``gelu_accurate``) compute the same function op by op in the input dtype, so
-the kernel's fp32 result differs from theirs by their roundings (it is closer to the true value).
-
-This module imports only torch and the standard library: no relative imports.
+transformers' GELU classes are listed by name. Its tanh-formula variants (``gelu_new``, ``gelu_fast``,
+``gelu_accurate``) compute in the input dtype, so the kernel's fp32 result differs from theirs by their roundings.
+Imports only torch and the standard library: the tooling loads this file on its own.
 """
 
 import sys
@@ -19,11 +16,8 @@ ERF_CLASSES = frozenset({"GELUActivation"})
 APPROXIMATIONS = ("none", "tanh")
 
 
-# The classes met so far, by flavour. Under torch.compile ``isinstance(act, these)`` costs Dynamo one C++ type check
-# per module; the class name, traced (``type(act).__name__``), made it add a Python-evaluated guard per module
-# instance (``type(a) is type(b)`` between every two activations of one class), which a compiled model evaluates on
-# every call. transformers' own classes are found when this module loads; classes of those names from elsewhere
-# are learned on their first eager call.
+# Classes met so far, by flavour: matched with isinstance, which Dynamo guards more cheaply than the class name.
+# Filled at import from transformers.activations (if loaded), else on a class's first eager call.
 _TANH_TYPES: tuple = ()
 _ERF_TYPES: tuple = ()
 
@@ -55,9 +49,8 @@ def _scan_transformers() -> None:
 
 
 def gelu_approximation(act) -> Optional[str]:
-    """'none' (erf) or 'tanh' when ``act`` is a GELU the kernels compute, else None (the host's own code runs).
-    transformers' activation classes count by their name (``TANH_CLASSES``, ``ERF_CLASSES``); a subclass of a class
-    met before counts as that class."""
+    """'none' (erf) or 'tanh' when ``act`` is a GELU the kernels compute, else None. transformers' classes count by
+    name (``TANH_CLASSES``, ``ERF_CLASSES``); a subclass of a class met before counts as that class."""
     if isinstance(act, torch.nn.GELU):
         return act.approximate if act.approximate in APPROXIMATIONS else None
     if act is torch.nn.functional.gelu:

@@ -1,44 +1,18 @@
-"""DTensor sharding rules for the package's custom ops, so that a DTensor passed to an op runs our kernel on each
-rank's local shard (``torch.distributed.tensor.experimental.register_sharding``) instead of failing with "does
-not have a sharding strategy registered".
+"""DTensor sharding rules (``register_sharding``) for the custom ops, so a DTensor input runs the kernel on each rank's
+local shard. A rule lists, per mesh dim, the placements under which the op is correct on local shards.
 
-A rule lists, for one mesh dimension, the placements under which the op is correct on the local shards; DTensor
-expands them over every mesh dimension, picks the one that costs the least communication for the inputs as they
-are, redistributes inputs that do not match it, calls the op on the local tensors and wraps the results.
+* Pointwise ops (``geglu``, ``geglu_backward``): all ``Replicate()`` or all ``Shard(d)``; or ``Partial`` in the
+  input the op is linear in (``up``, ``gate`` replicated; ``grad``) with ``Partial`` outputs.
+* Packed ops (``x[..., 2d]``): ``Replicate()`` or ``Shard(d)`` on a leading dim; on the last dim only
+  ``_StridedShard(-1, split_factor=2)`` (``[gate_r | up_r]`` per rank, as ``packed_colwise``) with ``Shard(-1)`` of
+  the ``[..., d]`` tensors; a plain ``Shard(-1)`` of ``x`` is redistributed.
+* Ops that write into an argument (``geglu_out``, ``geglu_backward_``, ``geglu_packed_backward_``): only rules that
+  keep the written arguments' placements; where none can, ``NotImplementedError`` names the out-of-place form
+  (DTensor itself raises for an in-place backward whose ``grad`` is placed unlike ``gate``/``up``).
 
-* **Pointwise forms** (``geglu``, ``geglu_backward``): every tensor with one placement: ``Replicate()`` or
-  ``Shard(d)`` on any dim, the last one included (the op is elementwise). Also ``Partial`` in the one input the op
-  is linear in: ``up`` for the forward (``gelu(gate) * up``, with ``gate`` replicated), ``grad`` for the backward;
-  the outputs are then ``Partial`` too.
-* **Packed forms** (``geglu_packed``, ``geglu_packed_backward``, ``x[..., 2d]``): ``Replicate()`` or ``Shard(d)``
-  on any dim but the last, and on the last one only as ``_StridedShard(-1, split_factor=2)`` (each rank holds its
-  slice of both halves side by side, ``[gate_r | up_r]``: the layout of transformers' ``packed_colwise`` and of a
-  packed projection whose weight is sharded with ``_StridedShard(0, split_factor=2)``), which gives ``Shard(-1)``
-  of the ``[..., d]`` side. A plain ``Shard(-1)`` of the packed dim would give each rank a piece of one half only,
-  so it is not a rule: DTensor redistributes such an ``x`` to the cheapest valid placement (all-to-all into
-  ``_StridedShard``, or an all-gather), with the correct result at the cost of that communication.
-* **Ops that write into an argument** (``geglu_out``'s ``out``; the in-place backwards ``geglu_backward_`` and
-  ``geglu_packed_backward_``, which write the gradients over ``gate``/``up`` or ``x``): a redistributed copy of
-  that argument would receive the result and be thrown away, so only rules that keep the written arguments'
-  placements are offered. DTensor also keeps the first argument of an op whose name ends in ``_`` (here ``grad``)
-  where it is. On a one-dimensional mesh (tensor parallelism) that is exact; a multi-dimensional mesh whose
-  written argument has different placements along its dims cannot be expressed by a per-dim rule and raises
-  ``NotImplementedError`` naming the out-of-place op to use. An in-place backward whose ``grad`` is placed
-  differently from ``gate``/``up`` has no valid placement either: DTensor raises, rather than losing the gradients.
-
-Adding a rule for a new op is one entry in ``RULES`` (op name -> rule), e.g. for an op ``my_mlp(x, w_in, w_out,
-approximate) -> y`` that is column-parallel in ``w_in`` and row-parallel in ``w_out``::
-
-    "my_mlp": explicit(lambda x, w_in, w_out, approximate: [
-        ([Replicate()], [Replicate(), Replicate(), Replicate(), None]),
-        ([Partial()], [Replicate(), Shard(0), Shard(1), None]),
-    ]),
-
-``pointwise`` / ``packed`` build the rules of the GeGLU shapes; ``explicit`` takes a function of the op's arguments
-(DTensor specs, with ``.placements``, ``.ndim`` and ``.shape``, in place of tensors) that returns
-``[(output placements, input placements), ...]`` for one mesh dim, ``None`` for each non-tensor argument. Ops
-missing from the build (a variant without them) are skipped. Everything here needs ``torch.distributed``; on a
-torch without it the module only defines ``AVAILABLE = False``.
+``RULES``: op name -> rule (``pointwise``, ``packed``, or ``explicit(fn)``: ``fn`` of the op's arguments, DTensor
+specs for tensors, returns ``[(output placements, input placements), ...]``, ``None`` for non-tensors). Ops missing
+from the build are skipped; without ``torch.distributed``, ``AVAILABLE = False`` and nothing registers.
 """
 
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -99,12 +73,10 @@ def _keep_placements(op_name: str, strategies: Strategies, args: Sequence, writt
     return kept
 
 
-def pointwise(n_tensors: int, n_out: int, linear_in: Optional[int] = None,
-              writes: Sequence[int] = ()) -> Rule:
-    """Rule of an elementwise op whose first ``n_tensors`` arguments and ``n_out`` outputs share one shape:
-    Replicate, or Shard(d) on any dim, for all of them; with ``linear_in`` (the index of the input the op is linear
-    in), that input Partial and the other inputs Replicate give Partial outputs (not for ops that write into an
-    argument). ``writes``: indices of arguments the op writes its result into."""
+def pointwise(n_tensors: int, n_out: int, linear_in: Optional[int] = None, writes: Sequence[int] = ()) -> Rule:
+    """Rule of an elementwise op whose first ``n_tensors`` arguments and ``n_out`` outputs share one shape: all
+    Replicate or all Shard(d); with ``linear_in`` (and no ``writes``), that input Partial and the others Replicate give
+    Partial outputs. ``writes``: indices of the arguments the op writes into."""
 
     def rule(*args, **kwargs) -> Strategies:
         ref = args[0]
@@ -124,11 +96,9 @@ def pointwise(n_tensors: int, n_out: int, linear_in: Optional[int] = None,
 
 def packed(roles: Sequence[str], outs: Sequence[str], linear_in: Optional[int] = None,
            writes: Sequence[int] = ()) -> Rule:
-    """Rule of a packed op: tensors whose last dim is either the packed ``2d`` (role ``"x"``) or ``d`` (``"h"``),
-    the leading dims shared. ``roles``: one per leading tensor argument; ``outs``: one per output. Replicate, or
-    Shard on a leading dim, for all; on the last dim ``_StridedShard(-1, split_factor=2)`` for the packed tensors
-    with ``Shard(-1)`` for the others; with ``linear_in``, that (``"h"``) input Partial and the rest Replicate give
-    Partial outputs."""
+    """Rule of a packed op; ``roles`` (leading tensor arguments) and ``outs``: ``"x"`` for last dim ``2d``, ``"h"`` for
+    ``d``. All Replicate, or all Shard on a leading dim; on the last dim ``_StridedShard(-1, split_factor=2)`` for
+    ``"x"`` with ``Shard(-1)`` for ``"h"``; ``linear_in`` and ``writes`` as in :func:`pointwise`."""
     n = len(roles)
 
     def rule(*args, **kwargs) -> Strategies:
@@ -162,22 +132,15 @@ def explicit(fn: Rule) -> Rule:
     return rule
 
 
-# op name -> rule. Arguments and outputs in the ops' schema order (pointwise/ops.py).
+# op name -> rule; arguments and outputs in schema order (pointwise/ops.py)
 RULES: Dict[str, Rule] = {
-    # geglu(gate, up, approximate, inplace_backward) -> out
-    "geglu": pointwise(2, 1, linear_in=1),
-    # geglu_out(out, gate, up, approximate) -> None, writes out
-    "geglu_out": pointwise(3, 0, writes=(0,)),
-    # geglu_backward(grad, gate, up, approximate) -> (d_gate, d_up)
-    "geglu_backward": pointwise(3, 2, linear_in=0),
-    # geglu_backward_(grad, gate, up, approximate) -> None, writes d_gate over gate and d_up over up
-    "geglu_backward_": pointwise(3, 0, writes=(1, 2)),
-    # geglu_packed(x, approximate, act_first, inplace_backward) -> out
-    "geglu_packed": packed(("x",), ("h",)),
-    # geglu_packed_backward(grad, x, approximate, act_first) -> dx
-    "geglu_packed_backward": packed(("h", "x"), ("x",), linear_in=0),
-    # geglu_packed_backward_(grad, x, approximate, act_first) -> None, writes dx over x
-    "geglu_packed_backward_": packed(("h", "x"), (), writes=(1,)),
+    "geglu": pointwise(2, 1, linear_in=1),  # (gate, up, approximate, inplace_backward) -> out
+    "geglu_out": pointwise(3, 0, writes=(0,)),  # (out, gate, up, approximate) -> None
+    "geglu_backward": pointwise(3, 2, linear_in=0),  # (grad, gate, up, approximate) -> (d_gate, d_up)
+    "geglu_backward_": pointwise(3, 0, writes=(1, 2)),  # (grad, gate, up, approximate) -> None; d_gate, d_up in place
+    "geglu_packed": packed(("x",), ("h",)),  # (x, approximate, act_first, inplace_backward) -> out
+    "geglu_packed_backward": packed(("h", "x"), ("x",), linear_in=0),  # (grad, x, approximate, act_first) -> dx
+    "geglu_packed_backward_": packed(("h", "x"), (), writes=(1,)),  # (grad, x, approximate, act_first) -> None; dx in x
 }
 
 

@@ -1,8 +1,5 @@
-"""The transformers classes the kernel maps to its layers, with their status, the activation a default config gives
-and notes: the GeGLU MLPs and MoE experts (:data:`GEGLU_CLASSES`), the Gemma RMSNorms (:data:`NORM_CLASSES`) and
-the Gemma rotary embeddings (:data:`ROPE_CLASSES`). docs/transformers.md holds the same tables
-(:func:`classes_markdown`; a test keeps them equal). Imports only the standard library.
-"""
+"""The transformers classes mapped to the kernel's layers: GeGLU MLPs and MoE experts (:data:`GEGLU_CLASSES`), Gemma
+RMSNorms (:data:`NORM_CLASSES`) and rotary embeddings (:data:`ROPE_CLASSES`). Standard library only."""
 
 from __future__ import annotations
 
@@ -22,12 +19,12 @@ class HostClass:
 
     model: str  # transformers model folder, e.g. "gemma"
     name: str  # class name in transformers.models.<model>.modeling_<model>
-    layer: str | None  # layer of the kernel's ``layers`` module that replaces its forward; None: not supported
+    layer: str | None  # the ``layers`` class that replaces its forward; None: not supported
     status: str  # SUPPORTED, SUPPORTED_APPROX or NOT_SUPPORTED
-    activation: str  # the activation the class gets from a default config
+    activation: str  # activation of a default config
     note: str = ""
-    act_attr: str | None = None  # attribute of the host that holds its activation module
-    gate_layer: str | None = None  # MoE experts: the function layer for their _apply_gate (see _attach_experts_gate)
+    act_attr: str | None = None  # host attribute holding its activation module
+    gate_layer: str | None = None  # MoE experts: the function layer for their _apply_gate
 
     @property
     def module(self) -> str:
@@ -35,16 +32,16 @@ class HostClass:
 
     @property
     def key(self) -> str | None:
-        """The kernelize key (``kernel_layer_name``) the class gets."""
+        """The class's kernelize key (``kernel_layer_name``)."""
         return KEY_PREFIX + self.layer if self.layer else None
 
     @property
     def gate_key(self) -> str | None:
-        """The kernelize key of the experts' gate function layer (MoE experts only)."""
+        """The kernelize key of the MoE experts' gate function layer."""
         return KEY_PREFIX + self.gate_layer if self.gate_layer else None
 
     def load(self) -> type | None:
-        """The class from the installed transformers, or None when it has no such module or class."""
+        """The class from the installed transformers, or None if missing."""
         try:
             mod = importlib.import_module(self.module)
         except ImportError:
@@ -60,7 +57,6 @@ def _a(model, name, activation="gelu_pytorch_tanh", note="", layer="GeGLUMLP", s
 _T5_NOTE = "{} with its cast to wo.weight.dtype (T5 keeps wo in fp32)"
 _STRIDED_NOTE = ("CPU: not bit-exact (about 1e-7 relative: eager's CPU erf-GELU rounds differently on the strided "
                  "chunk views), GPU: bit-exact")
-
 _EXPERTS_NOTE = ("MoE experts, every experts implementation (grouped_mm, batched_mm: their _apply_gate runs the "
                  "function layer GeGLUExpertsGate; eager: GeGLUExperts runs its per-expert loop with the packed "
                  "gate); CPU: bit-exact with gelu_pytorch_tanh and moe_intermediate_size a multiple of 32 (704 in "
@@ -83,8 +79,7 @@ GEGLU_CLASSES: tuple[HostClass, ...] = (
     _a("pixtral", "PixtralMLP", activation="gelu",
        note="vision encoder; a checkpoint with hidden_act='silu' keeps its own forward"),
     _a("dinov3_vit", "DINOv3ViTGatedMLP", activation="gelu", note="used only with use_gated_mlp=True"),
-    _a("eomt_dinov3", "EomtDinov3GatedMLP", activation="gelu",
-       note="used only with use_gated_mlp=True"),
+    _a("eomt_dinov3", "EomtDinov3GatedMLP", activation="gelu", note="used only with use_gated_mlp=True"),
     # DiffusionGemma's self-conditioning: post_norm(inputs_embeds + MLP(pre_norm(signal)))
     _a("diffusion_gemma", "DiffusionGemmaSelfConditioning", layer="GeGLUSelfConditioning",
        note="forward(inputs_embeds, self_conditioning_signal): the host's pre_norm, the GeGLU MLP, the sum and the "
@@ -127,8 +122,7 @@ GEGLU_CLASSES: tuple[HostClass, ...] = (
        note="activation on the second half: h * act(gate); " + _STRIDED_NOTE),
     _a("cpmant", "CpmAntDenseGatedACT", activation="gelu (fixed nn.GELU())", layer="CpmAntGeGLU", act_attr="act",
        note="the gated activation only; w_out is applied by the caller"),
-    # MoE experts: transformers' @use_experts_implementation dispatch stays; the gate between the grouped GEMMs
-    # is a function layer (GeGLUExpertsGate), the eager loop the class layer (GeGLUExperts)
+    # MoE experts: the gate between the grouped GEMMs is a function layer, the eager loop the class layer
     _a("gemma4", "Gemma4TextExperts", layer="GeGLUExperts", gate_layer="GeGLUExpertsGate", note=_EXPERTS_NOTE),
     _a("diffusion_gemma", "DiffusionGemmaTextExperts", layer="GeGLUExperts", gate_layer="GeGLUExpertsGate",
        note="MoE experts, as Gemma4TextExperts"),
@@ -142,15 +136,10 @@ GEGLU_CLASSES: tuple[HostClass, ...] = (
 )
 
 
-# --- Gemma's RMSNorm ----------------------------------------------------------------------------------------------
-# Classes whose forward is GemmaRMSNorm's, ``(x.float() * rsqrt(mean(x.float()^2) + eps) * (1.0 +
-# w.float())).type_as(x)``, op for op (a test compares their source); those whose forward is Gemma3nRMSNorm's,
-# ``(x.float() * pow(mean(x.float()^2) + eps, -0.5) [* w.float()]).type_as(x)`` (layer Gemma3nRMSNorm); and the
-# Gemma-family norms that differ from both.
-# "supported-approx": on CUDA within one ulp of the output dtype against fp64, not bit-exact (the row sum is taken
-# in another order; docs/rmsnorm.md); on CPU bit-exact.
-
-
+# --- Gemma's RMSNorm: layer GemmaRMSNorm where the forward is, op for op,
+# ``(x.float() * rsqrt(mean(x.float()^2) + eps) * (1.0 + w.float())).type_as(x)``; Gemma3nRMSNorm where it is
+# ``(x.float() * pow(mean(x.float()^2) + eps, -0.5) [* w.float()]).type_as(x)``. "supported-approx": within one ulp
+# against fp64 on CUDA, bit-exact on CPU.
 def _n(model, name, note="", layer="GemmaRMSNorm", status=SUPPORTED_APPROX):
     return HostClass(model, name, layer, status, "", note)
 
@@ -185,14 +174,8 @@ NORM_CLASSES: tuple[HostClass, ...] = (
 )
 
 
-# --- the rotary embedding ----------------------------------------------------------------------------------------
-# Gemma-family classes whose forward computes ``cos, sin`` of ``position_ids[..., None].float() * inv_freq`` (twice
-# over the last dimension) times ``attention_scaling``, op for op (a test compares their source): layer
-# RotaryEmbedding for ``forward(x, position_ids)``, LayerTypeRotaryEmbedding for ``forward(x, position_ids,
-# layer_type)``. The layers change nothing in eager mode; under torch.compile their cos and sin come from one op,
-# which Inductor reads instead of recomputing them in every attention layer (torch-ext/geglu/_rope.py).
-
-
+# --- rotary embeddings: forward ``cos, sin`` of ``position_ids[..., None].float() * inv_freq`` (twice over the last
+# dim) times ``attention_scaling``, op for op; LayerTypeRotaryEmbedding for ``forward(x, position_ids, layer_type)``.
 def _r(model, name, layer="RotaryEmbedding", note=""):
     return HostClass(model, name, layer, SUPPORTED, "", note)
 
@@ -214,8 +197,7 @@ ROPE_CLASSES: tuple[HostClass, ...] = (
 
 
 def classes_markdown() -> str:
-    """:data:`GEGLU_CLASSES`, :data:`NORM_CLASSES` and :data:`ROPE_CLASSES` as Markdown tables (the repository's
-    docs/transformers.md holds them; a test keeps them equal)."""
+    """The three class tables as the Markdown of docs/transformers.md."""
     lines = ["| model | class | status | default activation | hub layer | notes |", "|---|---|---|---|---|---|"]
     for h in GEGLU_CLASSES:
         layer = f"`{h.layer}`" if h.layer else "–"

@@ -1,10 +1,8 @@
-"""The public functions. Each validates its input and runs a torch.library op, so it works under
-torch.compile(fullgraph=True), in eager mode and with autograd, on CUDA (compiled library or Triton) and CPU.
+"""The public GeGLU functions. Each validates its input and works under torch.compile(fullgraph=True), in eager
+mode and with autograd, on CUDA (compiled library or Triton) and CPU.
 
-Two routes per function: the op, and for plain eager calls the op's own implementation, straight (no gradient to
-record; the compiled library's C entry first) or through the op's autograd formula as an ``autograd.Function``
-(``runtime.backend.call_mode`` decides). It skips the dispatcher's Python round trips, which matters at decode and
-small-batch sizes, where a call is a few µs of GPU time."""
+Traced calls and tensor subclasses run the torch.library op; plain eager calls run the implementation directly, or
+through an ``autograd.Function`` when a gradient is recorded (``runtime.backend.call_mode`` decides)."""
 
 from typing import Optional
 
@@ -37,22 +35,21 @@ def _no_autograd_with_out(*tensors: Tensor) -> None:
 
 def geglu(gate: Tensor, up: Tensor, approximate: str = "none", *, out: Optional[Tensor] = None,
           inplace_backward: bool = False) -> Tensor:
-    """``gelu(gate, approximate) * up``, bit-identical to eager PyTorch's ``F.gelu(gate, approximate=...) * up``.
+    """Computes ``gelu(gate, approximate) * up``, bit-identical to eager ``F.gelu(gate, approximate=...) * up``.
 
-    gate, up: same shape ``[..., d]``, dtype (float32/float16/bfloat16) and device; rows may be strided (views
-    from ``chunk`` or slices), the last dim must be unit-stride. ``approximate``: ``"none"`` (erf) or ``"tanh"``.
-    ``out``: write the result there (inference only). ``inplace_backward=True`` lets the backward write the
-    gradients over ``gate`` and ``up`` (saves two activation-sized buffers; only when nothing else reads gate or
-    up afterwards, e.g. the outputs of gate/up projections).
+    Shapes: gate, up ``[..., d]`` (same shape, dtype float32/float16/bfloat16 and device; rows may be strided, the
+    last dim must be unit-stride) -> ``[..., d]``. ``approximate``: ``"none"`` (erf) or ``"tanh"``.
+    ``out``: a Tensor written with the result (inference only: RuntimeError if an input requires grad).
+    ``inplace_backward=True``: the backward writes the gradients over ``gate`` and ``up`` (only when nothing
+    else reads them afterwards).
     """
     if out is None:
         if (gate.requires_grad and type(gate) is Tensor and gate.is_cuda and up.shape == gate.shape
                 and up.dtype == gate.dtype and gate.numel() < _EAGER_BELOW and _config.current.backend == "auto"
                 and approximate in APPROXIMATIONS and _grad_enabled() and not _backend.traced()):
-            # a host-bound CUDA step with a gradient (see _backend.AUTOGRAD_EAGER_BELOW): eager's own ops, with the
-            # fewest checks in front of them
+            # small CUDA call with a gradient (_backend.AUTOGRAD_EAGER_BELOW): eager's own ops
             return F.gelu(gate, approximate=approximate) * up
-        if _lean_fwd is not None:  # the implementation's C entry, for the common plain call (None: any other)
+        if _lean_fwd is not None:  # C entry for the common plain call; None: take the general path
             res = _lean_fwd(gate, up, approximate)
             if res is not None:
                 return res
@@ -78,11 +75,11 @@ def geglu(gate: Tensor, up: Tensor, approximate: str = "none", *, out: Optional[
 
 def geglu_packed(x: Tensor, approximate: str = "none", *, act_first: bool = True, out: Optional[Tensor] = None,
                  inplace_backward: bool = False) -> Tensor:
-    """GeGLU of a packed ``x[..., 2d]`` -> ``[..., d]``.
+    """GeGLU of a packed ``x``: ``gelu(x[..., :d]) * x[..., d:]`` (``act_first=True``, vLLM / ModernBERT layout) or
+    ``x[..., :d] * gelu(x[..., d:])`` (``act_first=False``, diffusers' GEGLU).
 
-    ``act_first=True``: ``gelu(x[..., :d]) * x[..., d:]`` (vLLM / activation kernels / ModernBERT layout);
-    ``act_first=False``: ``x[..., :d] * gelu(x[..., d:])`` (diffusers' GEGLU). The backward writes one packed
-    ``[..., 2d]`` gradient (or over ``x`` with ``inplace_backward=True``).
+    Shapes: x ``[..., 2d]`` -> ``[..., d]``; the gradient is one ``[..., 2d]`` tensor (written over ``x`` with
+    ``inplace_backward=True``). ``approximate`` and ``out`` as in :func:`geglu`.
     """
     if out is not None:
         _no_autograd_with_out(x)
@@ -112,13 +109,9 @@ def gelu_tanh_and_mul(out: Tensor, x: Tensor) -> Tensor:
 
 
 def gated_proj(act, gate: torch.Tensor, up_proj, x: torch.Tensor, inplace_backward: bool = True) -> torch.Tensor:
-    """``act(gate) * up_proj(x)``: the kernel when ``act`` is a GELU it computes, the host's own math otherwise and
-    under torch.compile (a constant branch there: no guard, no graph break), where Inductor fuses the GELU and the
-    product with their neighbours into one pointwise kernel, as fast as ours and without the opaque call between
-    them; the layers' fused MLP stays an op. Under torch.compile the activation comes before the up projection, as
-    the hosts write it, so that the traced graph is the host's op for op and Inductor schedules it as it does the
-    unkernelized model. The kernel's backward writes the gradients over ``gate`` and ``up_proj(x)`` (projection
-    outputs that nothing else reads) unless ``inplace_backward=False``."""
+    """``act(gate) * up_proj(x)``: the kernel when ``act`` is a GELU it computes, else the host's own math; under
+    torch.compile always the host's math, in the host's order (activation first), for Inductor to fuse. The
+    kernel's backward writes the gradients over ``gate`` and ``up_proj(x)`` unless ``inplace_backward=False``."""
     if torch.compiler.is_compiling():
         activated = act(gate)
         return activated * up_proj(x)
@@ -130,8 +123,8 @@ def gated_proj(act, gate: torch.Tensor, up_proj, x: torch.Tensor, inplace_backwa
 
 
 def gated_packed(act, x: torch.Tensor, act_first: bool, inplace_backward: bool = True) -> torch.Tensor:
-    """``act(a) * b`` (``act_first``) or ``a * act(b)`` of ``a, b = x.chunk(2, -1)``, like :func:`gated_proj` (the
-    backward writes its gradient over ``x`` unless ``inplace_backward=False``)."""
+    """``act(a) * b`` (``act_first``) or ``a * act(b)`` of ``a, b = x.chunk(2, -1)``, routed as :func:`gated_proj`
+    (the backward writes over ``x`` unless ``inplace_backward=False``)."""
     approximate = None if torch.compiler.is_compiling() else gelu_approximation(act)
     if approximate is None:
         a, b = x.chunk(2, dim=-1)

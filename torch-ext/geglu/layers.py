@@ -1,9 +1,5 @@
-"""Hub layers for ``kernels.kernelize``.
-
-They follow the kernels layer rules: no ``__init__``, no members besides ``forward``, ``has_backward`` and
-``can_torch_compile``; state comes from the host module (value-less annotations say what is expected), and
-``forward`` has the host's signature.
-"""
+"""Hub layers for ``kernels.kernelize``: only ``forward``, ``has_backward`` and ``can_torch_compile``; state comes
+from the host module (the annotations name it) and ``forward`` has the host's signature."""
 
 from typing import Callable
 
@@ -19,13 +15,11 @@ from .rmsnorm.layers import Gemma3nRMSNorm, GemmaRMSNorm
 
 
 _is_compiling = torch.compiler.is_compiling
-
-
 _GELU_ERF, _GELU_TANH = nn.GELU(), nn.GELU(approximate="tanh")
 
 
 class GeluAndMul(nn.Module):
-    """``gelu(x[..., :d]) * x[..., d:]`` (exact GELU), the name kernels-community/activation uses; with backward."""
+    """The layer computes ``x -> gelu(x[..., :d]) * x[..., d:]`` (erf GELU). Shapes: ``[..., 2d] -> [..., d]``."""
 
     can_torch_compile = True
     has_backward = True
@@ -35,7 +29,7 @@ class GeluAndMul(nn.Module):
 
 
 class GeluTanhAndMul(nn.Module):
-    """``gelu_tanh(x[..., :d]) * x[..., d:]``, the name kernels-community/activation uses; with backward."""
+    """The layer computes ``x -> gelu_tanh(x[..., :d]) * x[..., d:]``. Shapes: ``[..., 2d] -> [..., d]``."""
 
     can_torch_compile = True
     has_backward = True
@@ -48,27 +42,21 @@ _PLAIN = (torch.Tensor, nn.Parameter)
 
 
 def _plain_linear(m) -> bool:
-    """An nn.Linear without bias or hooks (not a quantized or adapter subclass), whose weight is a plain tensor (not
-    a DTensor of tensor parallelism) and whose forward is its class's (transformers' tensor parallelism and
-    accelerate replace ``module.forward``): its weight is the whole story."""
+    """An exact ``nn.Linear`` without bias or hooks, with a plain-tensor weight and its class's forward."""
     return (type(m) is nn.Linear and m.bias is None and not m._forward_hooks and not m._forward_pre_hooks
             and type(m.weight) in _PLAIN and "forward" not in m.__dict__)
 
 
 class GeGLUMLP(nn.Module):
-    """Replaces a transformers gated MLP: ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (Gemma, Gemma 2/3/4, ...).
+    """The layer computes ``x -> down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (Gemma, Gemma 2/3/4, ...).
 
     Shapes: x ``[..., D]`` -> ``[..., D_out]``; gate_proj, up_proj ``D -> H``, down_proj ``H -> D_out``.
 
-    The GELU flavour (erf or tanh) comes from the host's ``act_fn``; an activation that is not a GELU runs the
-    host's own computation. With plain bias-free ``nn.Linear`` projections the MLP runs as one computation
-    (``mlp.ops.geglu_mlp``): a training step is one autograd node with eager's output and gradients bit for bit and at
-    most three [M, H] activation buffers in its backward (eager: four); inference at prefill sizes takes the fused
-    gate/up GEMM (the GeGLU in its epilogue: more accurate than eager, not its bits) where it measures faster on the
-    device (setting ``fused_mlp``, ``GEGLU_FUSED_MLP=0`` turns it off). Under torch.compile inference is the fused op
-    where the shipped rule lets the fused GEMM run for the rows (one guard on the symbolic row count) and the host's
-    ops elsewhere, and a training step traces the host's ops: Inductor compiles those as for the unkernelized
-    model.
+    GELU form (erf or tanh) from ``act_fn``; a non-GELU activation runs the host's computation. Plain bias-free
+    ``nn.Linear`` projections run ``mlp.ops.geglu_mlp``: training gives eager's output and gradients bit for bit;
+    inference at prefill sizes may take the fused gate/up GEMM (not eager's bits; off with ``fused_mlp`` /
+    ``GEGLU_FUSED_MLP=0``), under torch.compile where the shipped rule allows it for the rows (one guard), else the
+    host's ops; compiled training traces the host's ops. Other projections run their own forward.
     """
 
     can_torch_compile = True
@@ -83,19 +71,13 @@ class GeGLUMLP(nn.Module):
         gate_proj, up_proj, down_proj, act = self.gate_proj, self.up_proj, self.down_proj, self.act_fn
         approximate = gelu_approximation(act)
         if approximate is not None and _plain_linear(gate_proj) and _plain_linear(up_proj) and _plain_linear(down_proj):
-            # plain projections: F.linear on their weights is what their forward runs; the MLP as one computation
             return _mlp.geglu_mlp(x, gate_proj.weight, up_proj.weight, down_proj.weight, approximate, act)
-        # projections that are modules of their own (quantized, adapted, with hooks or a bias, sharded): their
-        # forward, then our GeGLU (or the host's activation when it is not a GELU the kernel computes)
+        # quantized, adapted, hooked, biased or sharded projections: their own forward
         return down_proj(gated_proj(act, gate_proj(x), up_proj, x))
 
 
 class GeGLUMLPWithDropout(nn.Module):
-    """Replaces ``down_proj(dropout(act_fn(gate_proj(x)) * up_proj(x)))`` (T5Gemma, T5Gemma 2, Gte).
-
-    Dropout sits between the product and ``down_proj`` as in the host and is the host's own module, so it draws
-    the same random mask from the same generator state.
-    """
+    """``x -> down_proj(dropout(act_fn(gate_proj(x)) * up_proj(x)))``, the host's dropout (T5Gemma, T5Gemma 2, Gte)."""
 
     can_torch_compile = True
     has_backward = True
@@ -111,12 +93,8 @@ class GeGLUMLPWithDropout(nn.Module):
 
 
 class GeGLUSelfConditioning(nn.Module):
-    """Replaces DiffusionGemma's self-conditioning block, ``forward(inputs_embeds, self_conditioning_signal)``:
-    ``post_norm(inputs_embeds + down_proj(act_fn(gate_proj(n)) * up_proj(n)))`` with ``n = pre_norm(signal)``.
-
-    The norms are the host's own modules (kernelized norms run their layer); the MLP in between is
-    :class:`GeGLUMLP`'s computation on the host's projections.
-    """
+    """DiffusionGemma's self-conditioning: ``(e, signal) -> post_norm(e + mlp(pre_norm(signal)))``, with the host's
+    norms and :class:`GeGLUMLP`'s computation as ``mlp``."""
 
     can_torch_compile = True
     has_backward = True
@@ -134,12 +112,8 @@ class GeGLUSelfConditioning(nn.Module):
 
 
 class Gemma3nGeGLUMLP(nn.Module):
-    """Replaces Gemma 3n's text MLP: like :class:`GeGLUMLP`, but layers with ``activation_sparsity > 0`` first
-    pass the gate through the host's ``_gaussian_topk`` (a ReLU of the gate minus a per-row cutoff).
-
-    The in-place backward is used only where there is no top-k: ReLU keeps its output for its own backward, and that
-    output is the gate our backward would overwrite.
-    """
+    """Gemma 3n's text MLP: :class:`GeGLUMLP`'s formula, the gate first through the host's ``_gaussian_topk`` where
+    ``activation_sparsity > 0`` (then no in-place backward: the top-k's ReLU saves the gate it would overwrite)."""
 
     can_torch_compile = True
     has_backward = True
@@ -160,12 +134,8 @@ class Gemma3nGeGLUMLP(nn.Module):
 
 
 class T5GeGLUDense(nn.Module):
-    """Replaces T5's gated feed-forward ``wo(dropout(act(wi_0(h)) * wi_1(h)))`` (T5 v1.1 / flan-T5 with
-    ``feed_forward_proj="gated-gelu"``, mT5, UMT5, UDOP, Pix2Struct, Kosmos-2.5).
-
-    Like T5, the product is cast to ``wo.weight.dtype`` when they differ and the weight is not int8 (T5 keeps ``wo``
-    in fp32). LongT5, which has no such cast, has :class:`LongT5GeGLUDense`.
-    """
+    """The layer computes ``h -> wo(dropout(act(wi_0(h)) * wi_1(h)))`` (T5 v1.1 / flan-T5 gated-gelu, mT5, UMT5,
+    UDOP, Pix2Struct, Kosmos-2.5); as T5, the product is cast to ``wo.weight.dtype`` if that differs and is not int8."""
 
     can_torch_compile = True
     has_backward = True
@@ -185,8 +155,7 @@ class T5GeGLUDense(nn.Module):
 
 
 class LongT5GeGLUDense(nn.Module):
-    """Replaces LongT5's gated feed-forward: :class:`T5GeGLUDense` without the cast to ``wo.weight.dtype`` (LongT5
-    does not cast; with a quantized ``wo`` the cast would be wrong)."""
+    """LongT5's gated feed-forward: :class:`T5GeGLUDense` without the cast to ``wo.weight.dtype``."""
 
     can_torch_compile = True
     has_backward = True
@@ -202,8 +171,7 @@ class LongT5GeGLUDense(nn.Module):
 
 
 class ModernBertGeGLUMLP(nn.Module):
-    """Replaces ModernBERT's MLP ``Wo(drop(act(input) * gate))`` with ``input, gate = Wi(x).chunk(2, -1)``: the
-    packed form with the activated half first, read straight from ``Wi``'s output (no chunk copies)."""
+    """The layer computes ``x -> Wo(drop(act(a) * b))`` with ``a, b = Wi(x).chunk(2, -1)``, read in place."""
 
     can_torch_compile = True
     has_backward = True
@@ -218,8 +186,8 @@ class ModernBertGeGLUMLP(nn.Module):
 
 
 class Zamba2GeGLUMLP(nn.Module):
-    """Replaces Zamba2's MLP: packed ``gate_up_proj`` plus the per-block LoRA adapter selected by ``layer_idx``,
-    then ``down_proj(act_fn(gate) * up)`` on the packed sum."""
+    """Zamba2's MLP: ``down_proj(act_fn(gate) * up)`` of ``gate, up = (gate_up_proj(x) + adapter(x)).chunk(2, -1)``,
+    the LoRA adapter ``gate_up_proj_adapter_list[layer_dic[layer_idx]]``."""
 
     can_torch_compile = True
     has_backward = True
@@ -238,8 +206,7 @@ class Zamba2GeGLUMLP(nn.Module):
 
 
 class ClvpGeGLU(nn.Module):
-    """Replaces CLVP's gated linear unit ``h * act(gate)`` with ``h, gate = proj(x).chunk(2, -1)``: the packed form
-    with the activated half second (the product is commutative, so the result is the same)."""
+    """The layer computes ``x -> h * act(gate)`` with ``h, gate = proj(x).chunk(2, -1)``."""
 
     can_torch_compile = True
     has_backward = True
@@ -252,7 +219,7 @@ class ClvpGeGLU(nn.Module):
 
 
 class CpmAntGeGLU(nn.Module):
-    """Replaces CPM-Ant's gated activation ``act(w_0(h)) * w_1(h)`` (no output projection; the caller applies it)."""
+    """The layer computes ``h -> act(w_0(h)) * w_1(h)`` (CPM-Ant; the caller applies the output projection)."""
 
     can_torch_compile = True
     has_backward = True
@@ -265,25 +232,18 @@ class CpmAntGeGLU(nn.Module):
         return gated_proj(self.act, self.w_0(hidden_states), self.w_1, hidden_states)
 
 
-
-
-# MoE experts and Gemma's RMSNorm: their layers live with the features (experts.layers, rmsnorm.layers)
-
-
 def _rotary(module, x: torch.Tensor, position_ids: torch.Tensor, prefix: str):
-    """Under torch.compile: the rotary embedding's cos and sin from one op (``_rope.rope_cos_sin``)."""
+    """The rotary embedding's ``cos, sin`` from one op (``_rope.rope_cos_sin``)."""
     inv_freq = getattr(module, prefix + "inv_freq")
     scaling = getattr(module, prefix + "attention_scaling")
     return _rope_cos_sin(position_ids.to(x.device), inv_freq, float(scaling), x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
-    """Replaces the Gemma models' rotary embedding ``forward(x, position_ids)`` returning ``cos, sin`` of the
-    positions times ``inv_freq`` (the classes of transformers_kernels.ROPE_CLASSES). Eager runs the host's own
-    forward. Under torch.compile, from ``_rope.ROPE_OP_MIN_ROWS`` positions (batch x sequence) on, one op
-    (``_rope.rope_cos_sin``: the host's formula, eager's bits) computes them, and Inductor reads them from memory
-    instead of recomputing them inside every attention layer's q/k norm + RoPE kernel; fewer positions trace the
-    host's forward (one guard on the symbolic position count). Positions need no gradient."""
+    """Gemma rotary embedding ``(x, position_ids) -> cos, sin`` of the positions times ``inv_freq``: the host's
+    forward in eager; under torch.compile one op (``_rope.rope_cos_sin``, eager's bits) from ``ROPE_OP_MIN_ROWS``
+    positions (batch x sequence) on, the host's forward below (one guard on the symbolic count). Positions need no
+    gradient."""
 
     can_torch_compile = True
     has_backward = True
@@ -295,8 +255,7 @@ class RotaryEmbedding(nn.Module):
 
 
 class LayerTypeRotaryEmbedding(nn.Module):
-    """:class:`RotaryEmbedding` for the hosts with one frequency table per attention type (Gemma 3, 3n, 4:
-    ``forward(x, position_ids, layer_type)``, buffers ``<layer_type>_inv_freq``)."""
+    """:class:`RotaryEmbedding` for ``forward(x, position_ids, layer_type)``, buffers ``<layer_type>_inv_freq``."""
 
     can_torch_compile = True
     has_backward = True
@@ -308,22 +267,7 @@ class LayerTypeRotaryEmbedding(nn.Module):
 
 
 __all__ = [
-    "GeluAndMul",
-    "GeluTanhAndMul",
-    "GeGLUMLP",
-    "GeGLUMLPWithDropout",
-    "GeGLUSelfConditioning",
-    "Gemma3nGeGLUMLP",
-    "T5GeGLUDense",
-    "LongT5GeGLUDense",
-    "ModernBertGeGLUMLP",
-    "Zamba2GeGLUMLP",
-    "ClvpGeGLU",
-    "CpmAntGeGLU",
-    "GeGLUExpertsGate",
-    "GeGLUExperts",
-    "GemmaRMSNorm",
-    "Gemma3nRMSNorm",
-    "RotaryEmbedding",
-    "LayerTypeRotaryEmbedding",
+    "GeluAndMul", "GeluTanhAndMul", "GeGLUMLP", "GeGLUMLPWithDropout", "GeGLUSelfConditioning", "Gemma3nGeGLUMLP",
+    "T5GeGLUDense", "LongT5GeGLUDense", "ModernBertGeGLUMLP", "Zamba2GeGLUMLP", "ClvpGeGLU", "CpmAntGeGLU",
+    "GeGLUExpertsGate", "GeGLUExperts", "GemmaRMSNorm", "Gemma3nRMSNorm", "RotaryEmbedding", "LayerTypeRotaryEmbedding",
 ]

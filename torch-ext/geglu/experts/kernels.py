@@ -1,24 +1,8 @@
 """Triton kernel of the MoE experts' gate/up grouped GEMM with the GeGLU in its epilogue:
-
-    h[r, :] = gelu(x[r] @ Wg_e^T) * (x[r] @ Wu_e^T)      for the rows r of expert e
-
-where the rows of ``x`` [S, D] are sorted by expert and ``offsets`` [E] (int32) holds each expert's cumulative row
-count, as transformers' grouped_mm experts implementation lays them out for ``torch._grouped_mm``. The weights are
-the experts' ``gate_up_proj`` [E, 2I, D] (gate rows first: Gemma 4's layout), read in place. It replaces the first
-grouped GEMM's ``[S, 2I]`` output and the gate's pass over it (write and read 2I, write I per row) by a write of
-``[S, I]``.
-
-The tile is the dense fused kernel's paired one (`mlp.kernels._paired_tile`): per K step one TMA box
-``[1, 2, BLOCK_N, BLOCK_K]`` of the 4-D view ``[E, 2, I, D]`` loads the expert's gate and up tiles into one
-``[2 * BLOCK_N, BLOCK_K]`` operand (one N = 2 * BLOCK_N dot), and the epilogue is the fast one (the GeGLU of the
-fp32 accumulators, rounded once): more accurate than ``round(gelu(round(g))) * round(u)``, not its bits. A tile's
-rows may run past its expert's last row into the next expert's (the TMA load reads them; they are computed and
-not stored): the output is written with a row mask.
-
-Tiles are listed on the device without a host synchronisation (`schedule`): expert e has
-``ceil(rows_e / BLOCK_M) * ceil(I / BLOCK_N)`` tiles, visited expert by expert and, within one, down each column of
-tiles (consecutive programs share the weight tile in L2). A persistent grid (one program per SM) walks the tile
-list up to its on-device length.
+``h[r] = gelu(x[r] @ Wg_e^T) * (x[r] @ Wu_e^T)`` for the rows r of expert e, x [S, D] sorted by expert, weights
+``gate_up_proj`` [E, 2I, D] (gate rows first) read in place as [E, 2, I, D]. The dense paired tile
+(`mlp.tiles._paired_tile`) with the fast epilogue (not eager's bits); rows of the next expert in a tile are
+computed and masked out of the store. A persistent grid walks a tile list built on the device (`schedule`).
 """
 
 from typing import Optional
@@ -35,10 +19,9 @@ from ..runtime.launch import desc_arg, prebuild, sm_count
 
 
 @triton.jit
-def _grouped_geglu_kernel(x_desc, w_desc, out_ptr, tile_expert_ptr, tiles_end_ptr, m_tiles_ptr, offsets_ptr,
-                          S, E, N, stride_o, K, bound,
-                          TANH: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, FLATTEN: tl.constexpr, FAST_EPI: tl.constexpr,
+def _grouped_geglu_kernel(x_desc, w_desc, out_ptr, tile_expert_ptr, tiles_end_ptr, m_tiles_ptr, offsets_ptr, S, E, N,
+                          stride_o, K, bound, TANH: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FLATTEN: tl.constexpr, FAST_EPI: tl.constexpr,
                           K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr):
     total = tl.minimum(tl.load(tiles_end_ptr + E - 1), bound)  # bound: the listed tile ids (offsets past S)
     cols = tl.arange(0, BLOCK_N)
@@ -68,16 +51,13 @@ def _grouped_geglu_kernel(x_desc, w_desc, out_ptr, tile_expert_ptr, tiles_end_pt
         tl.store(out_ptr + r.to(tl.int64)[:, None] * stride_o + c[None, :], y, mask=mask)
 
 
-# The dense paired kernel's large tile (flattened persistent loop, fast epilogue) where experts average more than
-# 256 rows; with fewer, 64-row tiles waste less of each expert's last tile (docs/fused-mlp.md gives the
-# measurements behind the choice).
+# LARGE where experts average more than 256 rows, else SMALL_M (64-row tiles)
 LARGE = Config(128, 128, 64, 1, 8, 3, persistent=True, flatten=True, fast_epi=True, pair=True)
 SMALL_M = LARGE._replace(block_m=64, num_warps=4, num_stages=4)
 INTERPRETER_CFG = INTERPRETER._replace(fast_epi=True, pair=True)
 
 
 def grouped_consts(tanh: bool, cfg: Config) -> tuple:
-    """The grouped kernel's constexprs, in order."""
     return (tanh, INTERPRET, cfg.block_m, cfg.block_n, cfg.block_k, cfg.flatten, cfg.fast_epi, K_BETA_TANH, K_KAPPA,
             K_ALPHA)
 
@@ -89,8 +69,8 @@ def default_config(S: int, E: int) -> Config:
 
 
 def applies(x: torch.Tensor, gate_up_proj: torch.Tensor) -> bool:
-    """Whether the kernel takes these operands: fp16/bf16 of one dtype on a device with TMA (sm_90+, or CPU tensors
-    under the Triton interpreter), x [S, D] and gate_up_proj [E, 2I, D] contiguous with 16-byte aligned rows."""
+    """Whether the kernel takes these operands: fp16/bf16 of one dtype and device with TMA (or the interpreter),
+    x [S, D] and gate_up_proj [E, 2I, D] contiguous with 16-byte aligned rows."""
     if x.dtype not in (torch.float16, torch.bfloat16) or gate_up_proj.dtype != x.dtype:
         return False
     if x.dim() != 2 or gate_up_proj.dim() != 3 or gate_up_proj.shape[2] != x.shape[1] or gate_up_proj.shape[1] % 2:
@@ -104,10 +84,9 @@ def applies(x: torch.Tensor, gate_up_proj: torch.Tensor) -> bool:
 
 
 def schedule(offsets: torch.Tensor, S: int, I: int, block_m: int, block_n: int):
-    """The tile list, on the device and without a host synchronisation: ``(tile_expert, tiles_end, m_tiles,
-    offsets, bound)``, where m_tiles [E] is each expert's number of row tiles, tiles_end [E] the cumulative tile
-    count, tile_expert [bound] the expert of every tile id below ``bound = (S // BLOCK_M + E) * column tiles`` (E
-    past the last tile), and offsets the given ones as int32."""
+    """``(tile_expert, tiles_end, m_tiles, offsets, bound)`` on the device, no host sync: per expert its row tiles
+    and cumulative tile count, the expert of each tile id below ``bound = (S // BLOCK_M + E) * column tiles``, int32
+    offsets."""
     n_tiles = triton.cdiv(I, block_n)
     offsets = offsets.to(torch.int32)
     counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
@@ -121,10 +100,9 @@ def schedule(offsets: torch.Tensor, S: int, I: int, block_m: int, block_n: int):
 
 def grouped_gate_up_geglu(x: torch.Tensor, gate_up_proj: torch.Tensor, offsets: torch.Tensor, tanh: bool,
                           config: Optional[Config] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """h [S, I] of x [S, D] (rows sorted by expert; ``offsets`` [E] their cumulative counts, at most S) and
-    gate_up_proj [E, 2I, D]; the operands as :func:`applies` accepts them (checked by the caller). Rows past
-    ``offsets[-1]`` are left unwritten, as torch._grouped_mm leaves them. ``out``: a contiguous [S, I] tensor of
-    x's dtype to write into."""
+    """h [S, I] of x [S, D] (rows sorted by expert; ``offsets`` [E] cumulative counts <= S) and gate_up_proj [E, 2I, D]
+    as :func:`applies` takes them; rows past ``offsets[-1]`` unwritten. ValueError for a bad ``out`` (contiguous [S, I]
+    of x's dtype and device) or D = 0 (S, I > 0)."""
     S, D = x.shape
     E, I2, _ = gate_up_proj.shape
     I = I2 // 2
@@ -144,13 +122,12 @@ def grouped_gate_up_geglu(x: torch.Tensor, gate_up_proj: torch.Tensor, offsets: 
     w_desc = _aot.Desc(gate_up_proj, [E, 2, I, D], [I2 * D, I * D, D, 1], [1, 2, bn, bk])
     grid = (min(bound, sm_count(x.device)),)
     run_gemm(_grouped_geglu_kernel, grid,
-         [x_desc, w_desc, out, tile_expert, tiles_end, m_tiles, offs, S, E, I, out.stride(0), D, bound],
-         grouped_consts(tanh, cfg), cfg, x.device)
+             [x_desc, w_desc, out, tile_expert, tiles_end, m_tiles, offs, S, E, I, out.stride(0), D, bound],
+             grouped_consts(tanh, cfg), cfg, x.device)
     return out
 
 
-# The build (kerneltools.build.aot) compiles every launch listed here ahead of time, for sm_90 and newer (TMA tensor
-# descriptors); a launch it did not list runs Triton's JIT.
+# The build compiles every launch listed here ahead of time for sm_90+; any other launch runs Triton's JIT.
 PREBUILD_MIN_ARCH = 90
 
 

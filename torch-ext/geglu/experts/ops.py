@@ -1,10 +1,6 @@
-"""transformers' MoE experts (classes decorated with ``@use_experts_implementation``, e.g. Gemma 4's
-``Gemma4TextExperts``): the per-expert loop of their ``eager`` implementation, with the gate computed by a given
-function. The other implementations (grouped_mm, batched_mm, ...) stay transformers' own; they reach the kernel
-through the experts' ``_apply_gate`` (layers.GeGLUExpertsGate).
-
-Expected host state: ``gate_up_proj`` [experts, 2 * I, hidden] (gate rows first), ``down_proj`` [experts, hidden,
-I], ``num_experts``, ``act_fn``, and ``config._experts_implementation``.
+"""transformers' MoE experts: their ``eager`` per-expert loop with a given gate, and grouped_mm's block with the fused
+gate/up grouped GEMM. Host state: ``gate_up_proj`` [E, 2I, D] (gate rows first), ``down_proj`` [E, D, I],
+``num_experts``, ``act_fn``, ``config._experts_implementation``.
 """
 
 from typing import Callable
@@ -22,17 +18,12 @@ def runs_eager(experts) -> bool:
 
 def eager_forward(experts, gate: Callable, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                   top_k_weights: torch.Tensor) -> torch.Tensor:
-    """The eager implementation's result, op for op, with ``gate(act_fn, gate_up)`` between the two projections.
-
-    Experts are visited in increasing order and each one's tokens in (top-k slot, token) order, as transformers
-    does, so that the per-expert GEMMs see the same rows and ``index_add_`` sums the same values in the same
-    order: with a gate that is bit-exact with ``act_fn(gate) * up``, so is the result. Expert ids outside
-    ``[0, num_experts)`` (expert parallelism's sentinels for experts held by another rank) are skipped.
-    """
+    """The eager implementation op for op (experts ascending, rows in (slot, token) order), with ``gate(act_fn,
+    gate_up)`` as the gate; ids outside ``[0, num_experts)`` skipped. hidden_states [T, D]; top_k_* [T, k] -> [T, D]."""
     out = torch.zeros_like(hidden_states)
     num_experts = experts.num_experts
     with torch.no_grad():
-        slots_by_token = top_k_index.t()  # [top_k, tokens]: where() walks it slot-major, as transformers' mask does
+        slots_by_token = top_k_index.t()  # [top_k, tokens]: where() walks it slot-major, as transformers does
         hit = torch.unique(top_k_index).tolist()  # sorted
     for e in hit:
         if e < 0 or e >= num_experts:
@@ -45,20 +36,13 @@ def eager_forward(experts, gate: Callable, hidden_states: torch.Tensor, top_k_in
     return out
 
 
-# --- grouped_mm inference with the fused gate/up kernel ----------------------------------------------------------
-
-# Routed rows (tokens x top-k) from which the fused block runs, per compute capability major (none elsewhere): at
-# decode sizes most experts get a row or none, a tile is mostly empty and the block is bound by reading the
-# experts' weights, which both paths do once. Measured ahead of time (`python -m kerneltools.bench.fused_rule`,
-# docs/fused-mlp.md); nothing is timed at run time.
+# per capability major, measured ahead of time: the least routed rows (tokens x top-k) of the fused block
 FUSED_RULES = {9: dict(min_rows=2048)}
 
 
 def fused_rule(rows: int, device: torch.device) -> bool:
-    """Whether the fused block runs for ``rows`` routed rows on ``device``: the shipped threshold for the GPU's
-    architecture (never on one it has none for); on CPU tensors (the Triton interpreter, tests) always."""
+    """Whether the fused block runs for ``rows`` routed rows: the shipped rule (False where none; True off CUDA)."""
     from ..runtime import backend
-
     return backend.shipped_rule(FUSED_RULES, device, min_rows=rows)
 
 
@@ -69,20 +53,16 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
 
 
 def sorted_rows(hidden_states: torch.Tensor, top_k_index: torch.Tensor, num_experts: int):
-    """``(perm, rows, offsets)`` as transformers' grouped_mm implementation makes them: the routed (token, slot)
-    pairs sorted by expert (``perm``), their rows of ``hidden_states``, and each expert's cumulative row count (int32,
-    from ``histc``, which takes ints on CUDA and floats on CPU)."""
+    """``(perm, rows, offsets)`` as transformers' grouped_mm makes them; offsets [E] cumulative counts (int32)."""
     expert_ids, perm = torch.sort(top_k_index.reshape(-1))
-    ids = expert_ids.int() if hidden_states.is_cuda else expert_ids.float()
+    ids = expert_ids.int() if hidden_states.is_cuda else expert_ids.float()  # histc's dtypes per device
     counts = torch.histc(ids, bins=num_experts, min=0, max=num_experts - 1)
     return perm, hidden_states[perm // top_k_index.size(-1)], torch.cumsum(counts, dim=0, dtype=torch.int32)
 
 
 def _plain_grouped(experts) -> bool:
-    """An experts module whose grouped_mm implementation is the plain one the fused block reproduces: concatenated
-    gate/up weights ([E, 2I, D], gate rows first), not transposed, no biases, no post-expert norm, not sharded
-    over experts (expert parallelism's sentinel rows). The gate it computes is ``act_fn(gate) * up``, transformers'
-    default: ``register_geglu_kernels`` refuses experts classes with a gate of their own."""
+    """Whether the grouped_mm path is the plain one fused_block reproduces: gated, concatenated, untransposed, no
+    biases, no post-expert norm, no expert parallelism, plain Parameters (custom gates are refused at registration)."""
     return (getattr(experts, "has_gate", False) and getattr(experts, "is_concatenated", True)
             and not getattr(experts, "is_transposed", True) and not getattr(experts, "has_bias", True)
             and not getattr(experts, "has_post_expert_norm", True) and not getattr(experts, "_is_expert_parallel", True)
@@ -90,12 +70,8 @@ def _plain_grouped(experts) -> bool:
 
 
 def fused_block(experts, hidden_states, top_k_index, top_k_weights, tanh: bool) -> torch.Tensor:
-    """transformers' grouped_mm experts forward, op for op, with the first grouped GEMM and the gate as one kernel
-    (`experts.kernels.grouped_gate_up_geglu`). Each [S, ...] buffer is released once the next one exists: at the
-    block's peak transformers holds the sorted rows, the down projection's output and two weighted copies of it
-    ([S, hidden] each), this block only the two weighted copies."""
+    """transformers' grouped_mm experts forward op for op, the first GEMM and the gate as one kernel."""
     from . import kernels as _experts_triton
-
     num_top_k = top_k_index.size(-1)
     num_tokens, hidden_dim = hidden_states.shape
     perm, x_g, offsets = sorted_rows(hidden_states, top_k_index, experts.num_experts)
@@ -112,12 +88,10 @@ def fused_block(experts, hidden_states, top_k_index, top_k_weights, tanh: bool) 
 
 
 def fused_forward(experts, hidden_states, top_k_index, top_k_weights, approximate):
-    """The experts block with the fused gate/up kernel, or None where it does not apply: the grouped_mm
-    implementation, inference (no gradient), the ``fused_mlp`` setting on, operands the kernel takes, and at least
-    ``FUSED_RULES``' ``min_rows`` routed rows for the GPU's architecture (CPU tensors under the interpreter: any).
-    Not eager's bits: the GeGLU of the fp32 accumulators, rounded once."""
+    """:func:`fused_block`, or None unless: a GELU (``approximate`` not None), ``fused_mlp``, 2-D hidden_states,
+    grouped_mm, no gradient recorded, CUDA (or CPU, 'triton' backend), :func:`fused_rule`, :func:`_plain_grouped`,
+    down_proj of hidden_states' dtype, and ``kernels.applies``. Not eager's bits: the fp32 GeGLU, rounded once."""
     from ..runtime import config as _config
-
     if approximate is None or not _config.current.fused_mlp or hidden_states.dim() != 2:
         return None
     rows = top_k_index.numel()

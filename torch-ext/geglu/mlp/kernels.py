@@ -1,7 +1,5 @@
-"""The fused GeGLU MLP's gate/up GEMM, host side: tile configs (a small fixed set chosen per (M bucket, D, H, dtype),
-nothing autotuned at call time), the launcher (``gate_up_geglu``: TMA descriptors where the device and
-strides allow, the paired kernel where ``pair_layout`` accepts the weights, one pipeline stage fewer on
-OutOfResources) and the launches the build prebuilds. The device code and its numerics: ``mlp.tiles``.
+"""Host side of the fused GeGLU MLP's gate/up GEMM: tile configs (fixed, chosen per (M bucket, D, H, dtype)), the
+launcher ``gate_up_geglu`` and the launches the build prebuilds. Device code: ``mlp.tiles``.
 """
 
 from typing import NamedTuple, Optional
@@ -20,9 +18,6 @@ except ImportError:  # pragma: no cover - older triton: pointer loads only
     TensorDescriptor = None
 
 
-# --- configs ------------------------------------------------------------------------------------------------------
-
-
 class Config(NamedTuple):
     block_m: int = 128
     block_n: int = 128  # per accumulator: the tile covers BLOCK_N columns of gate and of up
@@ -31,12 +26,10 @@ class Config(NamedTuple):
     num_warps: int = 8
     num_stages: int = 3
     persistent: bool = False  # one program per SM looping over the tiles
-    flatten: bool = False  # persistent: Triton's loop flattening of the tile and K loops into one pipelined loop,
-    #                        so that the next tile's first loads are in flight during this tile's epilogue
-    tma: bool = True  # use TMA descriptors where the hardware and the strides allow it
+    flatten: bool = False  # persistent: flatten the tile and K loops into one pipelined loop
+    tma: bool = True  # TMA descriptors where the device and the strides allow them
     fast_epi: bool = False  # GeGLU of the fp32 accumulators with hardware approximations, rounded once
-    pair: bool = False  # forward: one [2 * BLOCK_N, BLOCK_K] weight operand holding both weights' tiles, one dot
-    #                     of N = 2 * BLOCK_N per K step (`_launch_paired`), where the weights allow it
+    pair: bool = False  # the paired kernel (one N = 2 * BLOCK_N dot per K step) where `pair_layout` allows
 
     def label(self) -> str:
         s = f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages} g{self.group_m}"
@@ -51,36 +44,28 @@ class Config(NamedTuple):
         return s
 
 
-# Shared memory per stage is (BLOCK_M + 2 * BLOCK_N) * BLOCK_K * 2 bytes: 48 KiB at 128x128x64. Registers: two
-# 128x128 fp32 accumulators over 8 warps are 128 a thread. The persistent loop matters on sm_90: without it ptxas
-# serialises the tile's wgmma pipeline (warning C7515), with it a K step's wgmma issue back to back.
-MEDIUM = Config(64, 128, 64, 8, 4, 4)  # 65 <= M <= 256: one warpgroup, m64 wgmma
-INTERPRETER = Config(16, 16, 16, 2, 1, 1)  # tiny tiles: several tiles and K steps at test sizes
-# Paired-kernel tiles: BLOCK_N counts h columns, so the dot is BLOCK_M x (2 * BLOCK_N). The flattened persistent
-# loop overlaps a tile's epilogue with the next tile's first loads (the outputs are bit-identical either way).
+# Shared memory per stage: (BLOCK_M + 2 * BLOCK_N) * BLOCK_K * 2 bytes.
+MEDIUM = Config(64, 128, 64, 8, 4, 4)  # 65 <= M <= 256
+INTERPRETER = Config(16, 16, 16, 2, 1, 1)  # several tiles and K steps at test sizes
 PAIRED_LARGE = Config(128, 128, 64, 16, 8, 3, persistent=True, flatten=True, fast_epi=True, pair=True)
-
-# Choices per (M bucket, D, H, dtype) -> Config where the default (`inference_config`) ran out of shared memory on
-# this device: `gate_up_geglu` records the working one (one stage fewer).
+# (M bucket, D, H, dtype) -> the Config `gate_up_geglu` fell back to after OutOfResources (one stage fewer)
 TUNED: dict = {}
 
 
 def inference_config(M: int) -> Config:
-    """The tile of the fused inference path: the fast epilogue, paired weights above 256 rows."""
+    """The fused inference tile: the fast epilogue, paired weights above 256 rows."""
     base = INTERPRETER if INTERPRET else (MEDIUM if M <= 256 else PAIRED_LARGE)
     return base._replace(fast_epi=True)
 
 
 def m_bucket(M: int) -> int:
-    """Power-of-two bucket of M (capped at 8192), the only M dependence of the config choice."""
+    """Power-of-two bucket of M (capped at 8192): TUNED's row key."""
     return min(1 << max(M - 1, 1).bit_length(), 8192)
 
 
 def choose_config(M: int, D: int, H: int, dtype: torch.dtype) -> Config:
     return TUNED.get((m_bucket(M), D, H, dtype)) or inference_config(M)
 
-
-# --- launcher -----------------------------------------------------------------------------------------------------
 
 def tma_aligned(t: torch.Tensor) -> bool:
     """TMA needs a 16-byte-aligned base and row stride, and a unit stride on the last dim."""
@@ -98,8 +83,9 @@ def tma_supported(device: torch.device) -> bool:
 
 def gate_up_geglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, tanh: bool,
                   config: Optional[Config] = None) -> torch.Tensor:
-    """h = geglu(x @ w_gate^T, x @ w_up^T) [M, H] for 2-D x [M, D] and weights [H, D] (fp16/bf16, unit last-dim
-    stride, validated by the caller), with the tile ``config`` (default: `choose_config`)."""
+    """h [M, H] = geglu(x @ w_gate^T, x @ w_up^T) for x [M, D], weights [H, D] (fp16/bf16, unit last stride;
+    validated by the caller), ValueError for D = 0 (M, H > 0). Without ``config`` (`choose_config`), OutOfResources
+    retries with one pipeline stage fewer (down to 2) and records it in TUNED."""
     M, K = x.shape
     N = w_gate.shape[0]
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
@@ -117,20 +103,16 @@ def gate_up_geglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, tan
             _launch(x, w_gate, w_up, out, tanh, use_tma, cfg)
     except triton.runtime.errors.OutOfResources:
         if config is not None or cfg.num_stages <= 2:
-            raise  # an explicit config (benchmarks, tests) reports its failure
-        # Too much shared memory for this device (sm_120's 99 KiB, for one): retry with one pipeline stage fewer,
-        # down to 2, and remember the working choice for this (M bucket, D, H, dtype).
+            raise  # an explicit config reports its failure
         TUNED[(m_bucket(M), K, N, x.dtype)] = cfg._replace(num_stages=cfg.num_stages - 1)
         return gate_up_geglu(x, w_gate, w_up, tanh)
     return out
 
 
 def run_gemm(kernel, grid, args, consts, cfg, device) -> None:
-    """The kernel's prebuilt binary for this launch where the variant ships one, else Triton's JIT (``args``: the
-    runtime arguments, host-side TMA descriptors as `runtime.aot.Desc`; ``consts``: the constexprs in order)."""
+    """The prebuilt binary for this launch where the build ships one, else Triton's JIT without FMA contraction."""
     with torch.cuda.device(device) if device.type == "cuda" else NULL_CONTEXT:
-        if device.type == "cuda" and prebuilt(kernel, grid, args, consts, cfg.num_warps, cfg.num_stages,
-                                              device.index):
+        if device.type == "cuda" and prebuilt(kernel, grid, args, consts, cfg.num_warps, cfg.num_stages, device.index):
             return
         jit_args = [TensorDescriptor(a.base, a.shape, a.strides, a.block) if isinstance(a, _aot.Desc) else a
                     for a in args]
@@ -138,13 +120,11 @@ def run_gemm(kernel, grid, args, consts, cfg, device) -> None:
 
 
 def gate_up_consts(tanh, use_tma, cfg) -> tuple:
-    """The two-dot kernel's constexprs, in order."""
     return (tanh, use_tma, INTERPRET, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.persistent,
             cfg.flatten, cfg.fast_epi, K_BETA_TANH, K_KAPPA, K_ALPHA)
 
 
 def paired_consts(tanh, gate_first, cfg) -> tuple:
-    """The paired kernel's constexprs, in order."""
     return (tanh, INTERPRET, gate_first, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.persistent,
             cfg.flatten, cfg.fast_epi, K_BETA_TANH, K_KAPPA, K_ALPHA)
 
@@ -160,8 +140,7 @@ def _launch(x, w_gate, w_up, out, tanh, use_tma, cfg):
     args = [_aot.Desc(t, t.shape, t.stride(), blk) if use_tma else t for t, blk in tensors]
     strides = [t.stride(0) for t, _ in tensors]
     grid = _grid(triton.cdiv(M, bm) * triton.cdiv(N, bn), cfg, x.device)
-    run_gemm(_gate_up_geglu_kernel, grid, [*args, M, N, K, *strides], gate_up_consts(tanh, use_tma, cfg), cfg,
-             x.device)
+    run_gemm(_gate_up_geglu_kernel, grid, [*args, M, N, K, *strides], gate_up_consts(tanh, use_tma, cfg), cfg, x.device)
 
 
 _TMA_MAX_STRIDE = 1 << 40  # bytes: cuTensorMapEncodeTiled's limit on a global stride
@@ -174,9 +153,8 @@ class PairLayout(NamedTuple):
 
 
 def pair_layout(w_gate: torch.Tensor, w_up: torch.Tensor) -> Optional[PairLayout]:
-    """The two weights as one strided 3-D tensor [2, H, D] for a TMA descriptor, without a copy; None when they
-    cannot be (different shapes, strides or dtypes, unaligned, overlapping or interleaved, or further apart than
-    TMA can stride)."""
+    """The two weights as one strided [2, H, D] tensor for a TMA descriptor, without a copy; None if they differ in
+    shape, stride, dtype or device, are unaligned, overlap, interleave, or lie further apart than TMA can stride."""
     if (w_gate.shape != w_up.shape or w_gate.stride() != w_up.stride() or w_gate.dtype != w_up.dtype
             or w_gate.device != w_up.device or not (tma_aligned(w_gate) and tma_aligned(w_up))):
         return None
@@ -186,8 +164,7 @@ def pair_layout(w_gate: torch.Tensor, w_up: torch.Tensor) -> Optional[PairLayout
     es = w_gate.element_size()
     H, D = w_gate.shape
     extent = ((H - 1) * w_gate.stride(0) + D) * es  # bytes one weight spans
-    # Planes that interleave (e.g. the two weights as alternate rows of one tensor) would make the outer stride
-    # smaller than a plane: not a layout TMA promises to take, so those pairs run the two-accumulator kernel.
+    # interleaved planes (outer stride < one plane) run the two-dot kernel
     if delta < extent or delta % 16 or delta >= _TMA_MAX_STRIDE:
         return None
     return PairLayout(base, delta // es, gate_first)
@@ -200,12 +177,11 @@ def _launch_paired(x, layout: PairLayout, w_gate, out, tanh, cfg):
     w_desc = _aot.Desc(layout.base, [2, N, K], [layout.outer_stride, w_gate.stride(0), 1], [2, bn, bk])
     args = [_aot.Desc(x, x.shape, x.stride(), [bm, bk]), w_desc, _aot.Desc(out, out.shape, out.stride(), [bm, bn])]
     grid = _grid(triton.cdiv(M, bm) * triton.cdiv(N, bn), cfg, x.device)
-    run_gemm(_paired_gate_up_geglu_kernel, grid, [*args, M, N, K], paired_consts(tanh, layout.gate_first, cfg),
-             cfg, x.device)
+    run_gemm(_paired_gate_up_geglu_kernel, grid, [*args, M, N, K], paired_consts(tanh, layout.gate_first, cfg), cfg,
+             x.device)
 
 
-# The build (kerneltools.build.aot) compiles every launch listed here ahead of time, for sm_90 and newer (TMA tensor
-# descriptors; older GPUs run the JIT's pointer path); a launch it did not list runs Triton's JIT.
+# The build compiles every launch listed here ahead of time for sm_90+; any other launch runs Triton's JIT.
 PREBUILD_MIN_ARCH = 90
 
 

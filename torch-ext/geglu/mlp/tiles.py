@@ -1,29 +1,8 @@
-"""Triton kernels of the fused GeGLU MLP (the device code; configs and launcher: ``mlp.kernels``): one GEMM
-computes x @ Wg^T and x @ Wu^T into two fp32 accumulators per output tile and applies the GeGLU in its epilogue
-(see docs/fused-mlp.md).
-
-    h[M, H] = round(round(gelu(round(x @ Wg^T))) * round(x @ Wu^T))        (round = to the storage dtype, RNE)
-
-The epilogue is our pointwise forward (`runtime.gelu_math.gelu`, `round_to`, eager's constants and operation order,
-launched without FMA contraction), applied to the accumulators rounded to the storage dtype as eager's GEMMs store
-them: the result equals "cuBLAS-like GEMMs, then our pointwise kernel" up to the GEMMs' accumulation order. The
-fast epilogue (``FAST_EPI``, the inference tiles) instead takes the GeGLU of the fp32 accumulators, rounded once.
-
-Weights are read in place in nn.Linear's layout (Wg, Wu: [H, D], unit stride on D): no packed copy, no extra
-memory. A program computes a BLOCK_M x BLOCK_N tile of h: per K step it loads one x tile [BLOCK_M, BLOCK_K] and
-one tile of each weight [BLOCK_N, BLOCK_K] (TMA tensor descriptors on sm_90 when the strides are 16-byte aligned,
-plain pointer loads otherwise), and issues two dots that share the x tile. The paired kernel (`Config.pair`, the
-default above 256 rows where `pair_layout` accepts the weights) does the same work with one dot: a single TMA box
-[2, BLOCK_N, BLOCK_K] over the two weights, seen as one strided 3-D tensor, loads both tiles into one
-[2 * BLOCK_N, BLOCK_K] operand, so each K step is one N = 256 wgmma that reads the x tile once (still in place, no
-copy; bit-equal to the two-dot kernel). Tiles are visited in GROUP_M-row groups (L2 reuse of the weight tiles);
-the grid is one program per tile, or persistent (one program per SM looping over tiles, optionally with Triton's
-loop flattening / warp specialisation).
-
-Configs are a small fixed set chosen per (M bucket, D, H, dtype) (`choose_config`); nothing is autotuned at
-call time. Under the Triton interpreter (CPU tensors) the dots run on fp32 copies of the tiles (the interpreter
-multiplies bf16 as integers); products of bf16/fp16 values are exact in fp32, so this is still an fp32-accumulated
-GEMM of the same inputs.
+"""Triton kernels of the fused GeGLU MLP (host side: ``mlp.kernels``): x @ Wg^T and x @ Wu^T into two fp32
+accumulators per tile (weights in place, [H, D]; the paired kernel: one N = 2 * BLOCK_N dot per K step), then
+``h = round(round(gelu(round(acc_g))) * round(acc_u))`` (round: to the storage dtype, RNE), i.e. our pointwise
+forward (no FMA contraction) on the GEMMs' stored outputs; ``FAST_EPI``: the GeGLU of the fp32 accumulators,
+rounded once. Interpreter dots run on fp32 copies (exact products, fp32 accumulation).
 """
 
 import triton
@@ -47,15 +26,14 @@ else:
                                          pack=1)
 
     @triton.jit
-    def _fast_exp2(x):  # one MUFU.EX2 (tl.exp2's non-ftz form adds two multiplies for subnormal results)
+    def _fast_exp2(x):
         return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
                                          pack=1)
 
 
 @triton.jit
 def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """Tile id -> (row block, column block), walking GROUP_M row blocks down each column before moving right, so
-    programs running together share weight tiles (and x tiles) in L2."""
+    """Tile id -> (row block, column block), walking GROUP_M row blocks down each column before moving right."""
     tiles_per_group = GROUP_M * num_pid_n
     group = tile_id // tiles_per_group
     first_m = group * GROUP_M
@@ -66,8 +44,7 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _tanh_gelu_sigmoid(x, K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr):
-    """s = sigmoid(2 * inner(x)) = (1 + tanh(inner)) / 2 of the tanh GELU (gelu = x * s: no cancellation near -1),
-    with the hardware exp2 and reciprocal approximations (~2 ulp in fp32, far below the bf16/fp16 rounding)."""
+    """(1 + tanh(inner(x))) / 2 of the tanh GELU via approximate exp2 and reciprocal (~2 ulp in fp32)."""
     z = (2.0 * K_BETA_TANH * 1.4426950408889634) * x * tl.fma(x * x, K_KAPPA, 1.0)
     return _fast_rcp(1.0 + tl.exp2(-z))
 
@@ -77,14 +54,11 @@ def geglu_epilogue(acc_g, acc_u, T: tl.constexpr, TANH: tl.constexpr, FAST_EPI: 
                    K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr):
     """A tile of h in the storage dtype T from its fp32 gate and up accumulators."""
     if FAST_EPI:
-        # The GeGLU of the fp32 accumulators, rounded once: fewer instructions per output than eager's
-        # formulation (an epilogue that is not overlapped with the next tile's main loop costs its full time).
         if TANH:
             h = acc_g * _tanh_gelu_sigmoid(acc_g, K_BETA_TANH, K_KAPPA)
         else:
             h = gelu(acc_g, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA)
         return round_to(h * acc_u, T)
-    # The GEMM outputs as eager stores them (rounded to T), then our pointwise GeGLU with eager's rounding.
     g = round_to(acc_g, T)
     u = round_to(acc_u, T)
     h = round_to(gelu(g.to(tl.float32), TANH, K_BETA_TANH, K_KAPPA, K_ALPHA), T).to(tl.float32)
@@ -93,9 +67,9 @@ def geglu_epilogue(acc_g, acc_u, T: tl.constexpr, TANH: tl.constexpr, FAST_EPI: 
 
 @triton.jit
 def _gate_up_tile(x_ptr, wg_ptr, wu_ptr, out_ptr, M, N, K, stride_x, stride_wg, stride_wu, stride_o, pid_m, pid_n,
-                  TANH: tl.constexpr, TMA: tl.constexpr, DOT_F32: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FAST_EPI: tl.constexpr,
-                  K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr):
+                  TANH: tl.constexpr, TMA: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FAST_EPI: tl.constexpr, K_BETA_TANH: tl.constexpr,
+                  K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr):
     off_m = pid_m * BLOCK_M
     off_n = pid_n * BLOCK_N
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -142,10 +116,9 @@ def _gate_up_tile(x_ptr, wg_ptr, wu_ptr, out_ptr, M, N, K, stride_x, stride_wg, 
 
 @triton.jit
 def _gate_up_geglu_kernel(x_ptr, wg_ptr, wu_ptr, out_ptr, M, N, K, stride_x, stride_wg, stride_wu, stride_o,
-                          TANH: tl.constexpr, TMA: tl.constexpr, DOT_F32: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
-                          FAST_EPI: tl.constexpr,
+                          TANH: tl.constexpr, TMA: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                          PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr, FAST_EPI: tl.constexpr,
                           K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -153,14 +126,12 @@ def _gate_up_geglu_kernel(x_ptr, wg_ptr, wu_ptr, out_ptr, M, N, K, stride_x, str
         num_tiles = num_pid_m * num_pid_n
         for tile_id in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=FLATTEN):
             pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-            _gate_up_tile(x_ptr, wg_ptr, wu_ptr, out_ptr, M, N, K, stride_x, stride_wg, stride_wu, stride_o,
-                          pid_m, pid_n, TANH, TMA, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_K, FAST_EPI,
-                          K_BETA_TANH, K_KAPPA, K_ALPHA)
+            _gate_up_tile(x_ptr, wg_ptr, wu_ptr, out_ptr, M, N, K, stride_x, stride_wg, stride_wu, stride_o, pid_m,
+                          pid_n, TANH, TMA, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_K, FAST_EPI, K_BETA_TANH, K_KAPPA, K_ALPHA)
     else:
         pid_m, pid_n = _tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
-        _gate_up_tile(x_ptr, wg_ptr, wu_ptr, out_ptr, M, N, K, stride_x, stride_wg, stride_wu, stride_o,
-                      pid_m, pid_n, TANH, TMA, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_K, FAST_EPI,
-                      K_BETA_TANH, K_KAPPA, K_ALPHA)
+        _gate_up_tile(x_ptr, wg_ptr, wu_ptr, out_ptr, M, N, K, stride_x, stride_wg, stride_wu, stride_o, pid_m, pid_n,
+                      TANH, TMA, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_K, FAST_EPI, K_BETA_TANH, K_KAPPA, K_ALPHA)
 
 
 @triton.jit
@@ -169,19 +140,12 @@ def split_halves(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
 
 
-# --- paired weights: one N = 2 * BLOCK_N dot per K step over both weights, in place ---------------------------
-
-
 @triton.jit
-def _paired_tile(x_ptr, w_ptr, out_ptr, M, N, K, pid_m, pid_n,
-                 TANH: tl.constexpr, DOT_F32: tl.constexpr, GATE_FIRST: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FAST_EPI: tl.constexpr,
-                 K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr):
-    """One [BLOCK_M, BLOCK_N] tile of h with one dot of N = 2 * BLOCK_N per K step (the widest wgmma; the x tile
-    read once per step): w is the two weights as one strided 3-D tensor [2, N, K] (`pair_layout`), the gate first
-    or the up weight first in memory, and a [2, BLOCK_N, BLOCK_K] box holds both weights' tiles. The accumulator's
-    column halves are the two products; in the wgmma accumulator layout a thread holds columns of both halves, so
-    the split is a register renaming (no shared-memory round trip)."""
+def _paired_tile(x_ptr, w_ptr, out_ptr, M, N, K, pid_m, pid_n, TANH: tl.constexpr, DOT_F32: tl.constexpr,
+                 GATE_FIRST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 FAST_EPI: tl.constexpr, K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr):
+    """One [BLOCK_M, BLOCK_N] tile of h from w, the two weights as one 3-D descriptor [2, N, K] (`pair_layout`;
+    plane 0 the gate iff GATE_FIRST): one N = 2 * BLOCK_N dot per K step, its column halves the two products."""
     off_m = pid_m * BLOCK_M
     off_n = pid_n * BLOCK_N
     T = x_ptr.dtype
@@ -201,8 +165,7 @@ def _paired_tile(x_ptr, w_ptr, out_ptr, M, N, K, pid_m, pid_n,
 
 
 @triton.jit
-def _paired_gate_up_geglu_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
-                                 TANH: tl.constexpr, DOT_F32: tl.constexpr,
+def _paired_gate_up_geglu_kernel(x_ptr, w_ptr, out_ptr, M, N, K, TANH: tl.constexpr, DOT_F32: tl.constexpr,
                                  GATE_FIRST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr,
                                  FLATTEN: tl.constexpr, FAST_EPI: tl.constexpr,
@@ -218,5 +181,3 @@ def _paired_gate_up_geglu_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
         pid_m, pid_n = _tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
         _paired_tile(x_ptr, w_ptr, out_ptr, M, N, K, pid_m, pid_n, TANH, DOT_F32, GATE_FIRST,
                      BLOCK_M, BLOCK_N, BLOCK_K, FAST_EPI, K_BETA_TANH, K_KAPPA, K_ALPHA)
-
-

@@ -1,19 +1,7 @@
-"""``GeGLUMLP``'s training step: one autograd node in eager mode (:class:`GeGLUMLPFunction`) and, for torch.compile,
-tracing and tensor subclasses, the operators ``geglu_mlp_train`` / ``geglu_mlp_train_backward`` (the node's
-computation).
-
-The node:
-
-* **Same bits as eager.** The forward calls ``torch.mm`` exactly as ``F.linear`` does (2-D rows, ``W.t()``), the
-  GeGLU kernel equals ``F.gelu(g) * u`` bit for bit, and the backward makes the GEMM calls autograd's ``MmBackward``
-  makes (``dy @ W`` for the input, ``dy^T @ input`` for the weight) and sums x's two gradients with one add, as
-  autograd does; our dGeGLU kernel has eager's rounding.
-* **Less memory.** Eager holds g, gelu(g), u and h until the backward, and its down projection's backward allocates
-  d_h while they are alive (4 [M, H] buffers). Here the forward holds g, u and h; the backward computes dW_down
-  first, writes d_h over h, then d_g, d_u over g, u, and frees each buffer after its last GEMM: at most 3 live.
-* The activations are attributes of the node (so that the backward can free them one by one) unless saved-tensor
-  hooks are active (activation checkpointing, CPU offloading): then they go through ``save_for_backward`` and the
-  hooks see them. The backward overwrites what it unpacks, so it cannot run twice (``retain_graph=True`` raises).
+"""``GeGLUMLP``'s training step: the eager autograd node :class:`GeGLUMLPFunction` and the ops ``geglu_mlp_train`` /
+``geglu_mlp_train_backward``, with eager's bits (its GEMM calls, one add for dx, eager's rounding). The node holds
+g, u, h [M, H] (through ``save_for_backward`` only under saved-tensor hooks); its backward overwrites them (at most
+3 [M, H] buffers live), so it runs once: ``retain_graph=True`` raises.
 """
 
 from typing import Tuple
@@ -29,16 +17,14 @@ from .inference import _FLOATS, _check, _rows
 
 
 def host_bound(x: Tensor, w_gate: Tensor) -> bool:
-    """A small CUDA step under the 'auto' backend (fewer than ``runtime.backend.NODE_EAGER_BELOW`` [M, H] elements):
-    host-bound, and a Python autograd node costs the host more than eager's C++ ones."""
+    """A CUDA step under the 'auto' backend of fewer than ``NODE_EAGER_BELOW`` [M, H] elements: the host's ops run."""
     return x.is_cuda and _backend.eager_autograd(x.numel() // max(x.shape[-1], 1) * w_gate.shape[0],
                                                  _backend.NODE_EAGER_BELOW)
 
 
 def node_applies(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> bool:
-    """For a plain eager call that records a gradient (``runtime.backend.call_mode`` said AUTOGRAD: plain tensors, no
-    tracing, grad enabled, an input requiring grad), whether the step can run as one node: CUDA/CPU tensors of one
-    float dtype and device, nn.Linear-shaped weights ([H, D], [H, D], [D_out, H]), no autocast."""
+    """Whether the node takes an AUTOGRAD-mode call: CUDA/CPU, one float dtype and device, x [..., D] (2+ dims),
+    weights [H, D], [H, D], [D_out, H] with H, D > 0, no autocast."""
     if x.dim() < 2 or w_gate.dim() != 2:
         return False
     dev = x.device
@@ -92,7 +78,7 @@ class GeGLUMLPFunction(torch.autograd.Function):
         else:
             x, w_gate, w_up, w_down = ctx.saved_tensors
             g, u, h = ctx.held
-            ctx.held = None  # from here on the locals are the only references: `del` frees each buffer
+            ctx.held = None  # the locals are now the only references: `del` frees each buffer
         need_x, need_wg, need_wu, need_wd = ctx.needs_input_grad[:4]
         dy2 = dy.reshape(-1, dy.shape[-1])
         dwd = torch.mm(dy2.t(), h) if need_wd else None  # h's last reader
@@ -116,16 +102,13 @@ class GeGLUMLPFunction(torch.autograd.Function):
         return dx, dwg, dwu, dwd, None
 
 
-_apply = _library.fast_apply(GeGLUMLPFunction)  # `call_mode` has excluded functorch transforms; positional args
-
-# --- operators --------------------------------------------------------------------------------------------------------
+_apply = _library.fast_apply(GeGLUMLPFunction)  # positional args; `call_mode` has excluded functorch transforms
 
 
 @_library.op(add_op_namespace_prefix("geglu_mlp_train"))
 def geglu_mlp_train(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
                     approximate: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The training forward: (y, g, u, h), with g, u, h [M, H] the activations the backward needs (the default
-    node's computation: eager's bits)."""
+    """The training forward: (y [..., D_out], g, u, h [M, H]), the activations the backward needs."""
     _check(x, w_gate, w_up, w_down, approximate)
     x2 = x.reshape(-1, x.shape[-1])
     g = torch.mm(x2, w_gate.t())
@@ -151,8 +134,7 @@ _EMPTY = (0,)
 def geglu_mlp_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, g: Tensor,
                              u: Tensor, h: Tensor, approximate: str, need_x: bool, need_wg: bool, need_wu: bool,
                              need_wd: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dx, dW_gate, dW_up, dW_down) of the training forward, with eager's GEMM calls and rounding (a 0-element
-    tensor for each gradient not needed). d_g is written over the d_h buffer it is computed from."""
+    """(dx, dW_gate, dW_up, dW_down), a 0-element tensor for each gradient not needed; g, u, h unmodified."""
     dy2 = dy.reshape(-1, dy.shape[-1])
     x2 = x.reshape(-1, x.shape[-1])
     dwd = torch.mm(dy2.t(), h) if need_wd else x.new_empty(_EMPTY)
@@ -168,12 +150,12 @@ def geglu_mlp_train_backward(dy: Tensor, x: Tensor, w_gate: Tensor, w_up: Tensor
 
 @geglu_mlp_train_backward.register_fake
 def _(dy, x, w_gate, w_up, w_down, g, u, h, approximate, *need):
-    """Each gradient asked for like its input, a 0-element tensor for the others."""
+    """Each gradient asked for shaped like its input, a 0-element tensor for the others."""
     return tuple(t.new_empty(t.shape if n else _EMPTY) for t, n in zip((x, w_gate, w_up, w_down), need))
 
 
 def _train_setup(ctx, inputs, output):
-    """output is (y, g, u, h): the activations are saved after the inputs."""
+    """output is (y, g, u, h): the activations are saved after the inputs, non-differentiable."""
     x, w_gate, w_up, w_down, approximate = inputs
     acts = output[1:]
     ctx.mark_non_differentiable(*acts)
@@ -191,6 +173,5 @@ def _train_backward(ctx, dy, *_activation_grads):
 
 
 geglu_mlp_train.register_autograd(_train_backward, setup_context=_train_setup)
-
 
 __all__ = ["node_applies", "host_bound", "GeGLUMLPFunction", "geglu_mlp_train", "geglu_mlp_train_backward"]

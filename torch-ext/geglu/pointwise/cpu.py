@@ -1,9 +1,8 @@
-"""CPU implementation: eager PyTorch's own CPU kernels, in eager's order, so results are bit-identical to
-`F.gelu(gate, approximate=...) * up` and to its autograd on CPU.
+"""CPU implementation: eager PyTorch's CPU kernels in eager's order, bit-identical to
+``F.gelu(gate, approximate=...) * up`` and its autograd on contiguous tensors.
 
-Eager's CPU kernels pick vectorised or scalar math by memory layout, so results are defined as eager's on
-contiguous tensors: strided inputs are made contiguous, each step writes a fresh tensor as eager does, and strided
-outputs (the halves of a packed gradient, a strided out=) receive a copy. Outputs may alias the inputs exactly (in-place backward): everything is read before anything is written."""
+Strided inputs are made contiguous; strided outputs receive a copy. Outputs may alias the inputs exactly
+(in-place backward): everything is read before anything is written."""
 
 import torch
 import torch.nn.functional as F

@@ -1,12 +1,8 @@
 """Triton GeGLU kernels (forward and backward, exact and tanh GELU, fp32/fp16/bf16).
 
-The forward is bit-identical to ``F.gelu(gate, approximate=...) * up`` on a GPU: the GELU (``runtime.gelu_math``)
-rounded to the storage dtype before the product, the product computed in fp32 and rounded.
-
-Layout: every tensor is 2-D `[M, N]` with an arbitrary row stride and a unit-stride last dim, so the halves of a
-packed `[M, 2N]` tensor and chunk views go in without a copy. Offsets are 64-bit. A program handles a
-BLOCK_M x BLOCK_N tile; the last dim is vectorised to 16-byte accesses whenever strides allow it (Triton
-specialises integer arguments divisible by 16). Contiguous operands take the flat kernels (one block of M*N).
+The forward is bit-identical to eager ``F.gelu(gate, approximate=...) * up`` on CUDA: the GELU rounded to the
+storage dtype, then the product in fp32, rounded. Tensors are 2-D ``[M, N]`` with any row stride and a unit-stride
+last dim (packed halves and chunk views need no copy); offsets are 64-bit. Contiguous operands take the flat kernels.
 """
 
 import torch
@@ -18,6 +14,7 @@ from ..runtime.gelu_math import (INTERPRET, K_3KAPPA, K_ALPHA, K_BETA_ERF, K_BET
 from ..runtime.launch import device_guard, launch, next_pow2, pow2_up_to, prebuild, sm_count
 
 _PLANS = {}
+
 
 @triton.jit
 def _geglu_fwd_kernel(gate_ptr, up_ptr, out_ptr, M, N, stride_g, stride_u, stride_o,
@@ -31,7 +28,7 @@ def _geglu_fwd_kernel(gate_ptr, up_ptr, out_ptr, M, N, stride_g, stride_u, strid
     g = tl.load(gate_ptr + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0)
     u = tl.load(up_ptr + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0)
     h = gelu(g.to(tl.float32), TANH, K_BETA_TANH, K_KAPPA, K_ALPHA)
-    # eager: gelu() returns a tensor of the storage dtype, then mul computes in fp32 and rounds.
+    # as eager: gelu rounded to the storage dtype, then mul in fp32, rounded
     T = out_ptr.dtype.element_ty
     h = round_to(h, T).to(tl.float32)
     out = h * u.to(tl.float32)
@@ -39,9 +36,8 @@ def _geglu_fwd_kernel(gate_ptr, up_ptr, out_ptr, M, N, stride_g, stride_u, strid
 
 
 @triton.jit
-def _geglu_bwd_kernel(grad_ptr, gate_ptr, up_ptr, dg_ptr, du_ptr, M, N,
-                      stride_dy, stride_g, stride_u, stride_dg, stride_du,
-                      TANH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _geglu_bwd_kernel(grad_ptr, gate_ptr, up_ptr, dg_ptr, du_ptr, M, N, stride_dy, stride_g, stride_u, stride_dg,
+                      stride_du, TANH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr,
                       K_BETA_ERF: tl.constexpr, K_3KAPPA: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -53,11 +49,11 @@ def _geglu_bwd_kernel(grad_ptr, gate_ptr, up_ptr, dg_ptr, du_ptr, M, N,
     x = tl.load(gate_ptr + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     T = dg_ptr.dtype.element_ty
-    # mul's backward: d_h = dy * up and d_up = dy * h, each rounded to the storage dtype (h as saved: rounded).
+    # mul's backward: d_h = dy * up, d_up = dy * h (h rounded, as saved), each rounded to the storage dtype
     h = round_to(gelu(x, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA), T).to(tl.float32)
     d_up = dy * h
     d_h = round_to(dy * u, T).to(tl.float32)
-    # gelu_backward(d_h, x): fp32, rounded once.
+    # gelu_backward(d_h, x): fp32, rounded once
     d_gate = d_h * gelu_grad(x, TANH, K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA)
     tl.store(dg_ptr + rows[:, None] * stride_dg + cols[None, :], round_to(d_gate, T), mask=mask)
     tl.store(du_ptr + rows[:, None] * stride_du + cols[None, :], round_to(d_up, T), mask=mask)
@@ -67,8 +63,7 @@ def _geglu_bwd_kernel(grad_ptr, gate_ptr, up_ptr, dg_ptr, du_ptr, M, N,
 def _geglu_fwd_flat_kernel(gate_ptr, up_ptr, out_ptr, n,
                            TANH: tl.constexpr, BLOCK: tl.constexpr, EVEN: tl.constexpr, WIDE: tl.constexpr,
                            K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr):
-    """The forward on contiguous tensors seen as one flat row of n elements: no row arithmetic, and no masks when
-    BLOCK divides n (EVEN). WIDE: 64-bit offsets (n >= 2^31)."""
+    """Forward on contiguous tensors as one flat row of n; EVEN: BLOCK divides n (no masks); WIDE: 64-bit offsets."""
     pid = tl.program_id(0)
     if WIDE:
         pid = pid.to(tl.int64)
@@ -94,7 +89,7 @@ def _geglu_bwd_flat_kernel(grad_ptr, gate_ptr, up_ptr, dg_ptr, du_ptr, n,
                            TANH: tl.constexpr, BLOCK: tl.constexpr, EVEN: tl.constexpr, WIDE: tl.constexpr,
                            K_BETA_TANH: tl.constexpr, K_KAPPA: tl.constexpr, K_ALPHA: tl.constexpr,
                            K_BETA_ERF: tl.constexpr, K_3KAPPA: tl.constexpr):
-    """The backward on contiguous tensors seen as one flat row (see _geglu_fwd_flat_kernel)."""
+    """The backward on contiguous tensors as one flat row (as _geglu_fwd_flat_kernel)."""
     pid = tl.program_id(0)
     if WIDE:
         pid = pid.to(tl.int64)
@@ -121,12 +116,9 @@ def _geglu_bwd_flat_kernel(grad_ptr, gate_ptr, up_ptr, dg_ptr, du_ptr, n,
         tl.store(du_ptr + offs, d_up, mask=mask)
 
 
-
-
 def _tiles(M: int, N: int, element_size: int, device: torch.device, tensors: int):
-    """Tile shape and warps: 2 x 1024 tiles at 4 warps (16 elements a thread: two 16-byte vectors per tensor) for
-    2-byte dtypes; fp32 keeps the bytes per program. Narrower column tiles when the grid would not cover the SMs
-    twice."""
+    """(block_m, block_n, num_warps): tiles of up to 2048 elements for 2-byte dtypes, 1024 for fp32; block_n halves
+    (not below 128) while the grid would not cover the SMs twice."""
     per_program = 2048 if element_size <= 2 else 1024
     block_n = min(next_pow2(N), 1024)
     block_m = max(1, min(next_pow2(M), per_program // block_n))
@@ -138,7 +130,7 @@ def _tiles(M: int, N: int, element_size: int, device: torch.device, tensors: int
 
 
 def _plan(M: int, N: int, t: torch.Tensor, tensors: int):
-    """(grid, tiles) cached per shape: the launch path runs at every call, decode included."""
+    """(grid, block_m, block_n, num_warps), cached per shape."""
     key = (M, N, t.element_size(), t.device, tensors)
     plan = _PLANS.get(key)
     if plan is None:
@@ -169,7 +161,7 @@ def _flat_plan(n: int, t: torch.Tensor):
 
 
 def _flat(M: int, N: int, *tensors: torch.Tensor) -> bool:
-    """All tensors are one contiguous block of M*N elements (rows follow each other without gaps)."""
+    """All tensors are one contiguous block of M*N elements."""
     if M == 1:
         return True
     for t in tensors:
@@ -179,7 +171,7 @@ def _flat(M: int, N: int, *tensors: torch.Tensor) -> bool:
 
 
 def geglu_fwd(out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, tanh: bool) -> None:
-    """out[M, N] = gelu(gate) * up on 2-D row-strided tensors (the caller validated them)."""
+    """out[M, N] = gelu(gate) * up on validated 2-D row-strided tensors."""
     M, N = gate.shape
     if M == 0 or N == 0:
         return
@@ -211,17 +203,16 @@ def geglu_bwd(d_gate: torch.Tensor, d_up: torch.Tensor, grad: torch.Tensor, gate
         grid, block_m, block_n, num_warps = _plan(M, N, gate, 5)
         launch(_geglu_bwd_kernel, grid,
                 (grad, gate, up, d_gate, d_up, M, N, grad.stride(0), gate.stride(0), up.stride(0), d_gate.stride(0),
-                 d_up.stride(0)),
-                (tanh, block_m, block_n) + consts_tail, num_warps, gate.device)
+                 d_up.stride(0)), (tanh, block_m, block_n) + consts_tail, num_warps, gate.device)
 
 
-# The build (kerneltools.build.aot) compiles every launch listed here ahead of time; a launch it did not list runs
-# Triton's JIT. The lists follow the plans above: change both together.
+# The build (kerneltools.build.aot) compiles these launches ahead of time; others run Triton's JIT. Keep in step
+# with the plans above.
 PREBUILD_MIN_ARCH = 80
 
 
 def prebuild_launches() -> list:
-    """The flat kernels at every tile ``_flat_plan`` can choose, the row kernels at every tile ``_tiles`` can, for
+    """The flat kernels at every ``_flat_plan`` tile, the row kernels at ``_tiles``' tiles with block_n >= 128, for
     each dtype and GELU flavour."""
     out = []
     kf = (K_BETA_TANH, K_KAPPA, K_ALPHA)

@@ -1,11 +1,8 @@
-"""The GeGLU operators (``_ops.add_op_namespace_prefix`` names) and their one autograd formula.
+"""The GeGLU torch.library ops (each with a fake implementation) and their autograd.
 
-Every op has a fake implementation, so ``torch.compile(fullgraph=True)`` sees it as an opaque op and
-``torch.library.opcheck`` passes. The functional forms' autograd is written once, as :class:`GeGLUFunction` and
-:class:`GeGLUPackedFunction`: plain eager calls apply them (``runtime.library.fast_apply``), and the ops register
-their ``setup_context`` and backward. The backward runs the implementation for plain tensors and the backward ops
-where the call is traced or holds tensor subclasses. The implementations pick the compiled CUDA library (its C
-entry first, ``runtime.direct``), Triton or the CPU implementation per call (``runtime.backend``)."""
+:class:`GeGLUFunction` / :class:`GeGLUPackedFunction` hold the one autograd formula: plain eager calls apply them,
+the ops register their ``setup_context`` and backward. The backward runs the implementation for plain tensors, the
+backward ops when traced or for tensor subclasses. ``runtime.backend`` picks CUDA library, Triton or CPU per call."""
 
 from typing import Tuple
 
@@ -22,12 +19,8 @@ from . import cpu as _cpu
 _triton = _backend.lazy_module(".kernels", __package__)
 
 
-# --- 2-D row views --------------------------------------------------------------------------------------------
-
-
 def _rows(t: Tensor, n: int) -> Tensor:
-    """``t[..., n]`` as a 2-D ``[M, n]`` tensor with one row stride, without a copy when the leading dims allow it
-    (contiguous tensors, packed halves, chunk views); a copy otherwise (inputs only)."""
+    """``t[..., n]`` as 2-D ``[M, n]`` rows with one row stride: a view where the leading dims allow, else a copy."""
     if t.dim() == 2:
         return t
     try:
@@ -76,15 +69,13 @@ def _check_triton_device(t: Tensor) -> None:
 
 
 def packed_halves(x: Tensor, act_first: bool) -> Tuple[Tensor, Tensor]:
-    """(gate, up) of a packed ``x[..., 2d]``: views split as the hosts split it (``chunk``), so that where autograd
-    records them the backward is one SplitBackward node concatenating the two gradients; two slices would each
-    scatter into a zero-filled [..., 2d] gradient and add them (more GPU time: copies and fills)."""
+    """(gate, up) views of a packed ``x[..., 2d]``, split with ``chunk`` as the hosts do (one SplitBackward node)."""
     a, b = x.chunk(2, dim=-1)
     return (a, b) if act_first else (b, a)
 
 
 def forward_into(out: Tensor, gate: Tensor, up: Tensor, approximate: str, fresh_out: bool = False) -> None:
-    """``fresh_out``: the caller allocated ``out`` (so it overlaps no input)."""
+    """``out = gelu(gate) * up`` for validated inputs; ``fresh_out``: the caller allocated ``out`` (no overlap)."""
     if out.numel() == 0:
         return
     d = gate.shape[-1]
@@ -98,15 +89,14 @@ def forward_into(out: Tensor, gate: Tensor, up: Tensor, approximate: str, fresh_
             out2 = None
     if out2 is not None:
         _run_fwd(out2, g2, u2, approximate, fresh_out)
-    else:  # an out= tensor whose leading dims cannot be flattened: compute, then copy into it
+    else:  # out's leading dims do not flatten: compute, then copy
         tmp = torch.empty(g2.shape, dtype=out.dtype, device=out.device)
         _run_fwd(tmp, g2, u2, approximate, True)
         out.copy_(tmp.view(out.shape))
 
 
 def backward_into(d_gate: Tensor, d_up: Tensor, grad: Tensor, gate: Tensor, up: Tensor, approximate: str) -> None:
-    """d_gate/d_up are tensors we allocated (or gate/up themselves, or halves of a packed gradient or input):
-    always viewable as rows."""
+    """Gradients into d_gate/d_up, which must view as rows (fresh tensors, gate/up themselves or packed halves)."""
     if gate.numel() == 0:
         return
     d = gate.shape[-1]
@@ -121,9 +111,6 @@ def _viewable(t: Tensor, d: int) -> bool:
         return True
     except RuntimeError:
         return False
-
-
-# --- forward ops ------------------------------------------------------------------------------------------------
 
 
 _empty_like, _contiguous = torch.empty_like, torch.contiguous_format
@@ -178,9 +165,6 @@ def _(out, gate, up, approximate):
     check_split(gate, up, approximate, out)
 
 
-# --- backward ops -----------------------------------------------------------------------------------------------
-
-
 def backward_new(grad: Tensor, gate: Tensor, up: Tensor, approximate: str) -> Tuple[Tensor, Tensor]:
     check_backward(grad, gate, up, approximate)
     d_gate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
@@ -230,7 +214,7 @@ def _(grad, gate, up, approximate):
 
 @op(add_op_namespace_prefix("geglu_backward_"), mutates_args=("gate", "up"))
 def geglu_backward_(grad: Tensor, gate: Tensor, up: Tensor, approximate: str) -> None:
-    """In-place backward: d_gate is written over gate and d_up over up."""
+    """In-place backward: d_gate written over gate, d_up over up."""
     backward_inplace(grad, gate, up, approximate)
 
 
@@ -254,7 +238,7 @@ def _(grad, x, approximate, act_first):
 
 @op(add_op_namespace_prefix("geglu_packed_backward_"), mutates_args=("x",))
 def geglu_packed_backward_(grad: Tensor, x: Tensor, approximate: str, act_first: bool) -> None:
-    """In-place packed backward: the gradient w.r.t. x is written over x."""
+    """In-place packed backward: the gradient of x written over x."""
     packed_backward_inplace(grad, x, approximate, act_first)
 
 
@@ -265,21 +249,16 @@ def _(grad, x, approximate, act_first):
     check_backward(grad, gate, up, approximate)
 
 
-# --- autograd -------------------------------------------------------------------------------------------------
-
-
 def _contiguous_last_dim(grad: Tensor) -> Tensor:
-    # Gradients from autograd can be expanded (stride 0, e.g. after .sum()) or transposed.
+    # autograd's gradients can be expanded (stride 0) or transposed
     if grad.dim() and grad.shape[-1] > 1 and grad.stride(-1) != 1:
         return grad.contiguous()
     return grad
 
 
 def _inplace_ok(*tensors: Tensor, packed: bool = False) -> bool:
-    """Whether the in-place backward may write over the saved tensors: always for plain (and fake) tensors; for
-    DTensors only where all share one placement, the same along every mesh dim, and (``packed``) not a shard of the
-    packed last dim (DTensor cannot redistribute the tensors an op writes into: `_sharding`). Elsewhere the
-    out-of-place backward runs."""
+    """Whether the in-place backward may write over the saved tensors: always for plain tensors; for DTensors only
+    when all share one placement on every mesh dim and (``packed``) none shards the last dim."""
     placements = getattr(tensors[0], "placements", None)
     if placements is None:
         return True
@@ -289,7 +268,7 @@ def _inplace_ok(*tensors: Tensor, packed: bool = False) -> bool:
 
 
 def _eager(*tensors: Tensor) -> bool:
-    """The backward runs the implementation (plain tensors, nothing traced), not the backward ops."""
+    """The backward runs the implementation (plain tensors, not traced), not the backward ops."""
     return _backend.call_mode(*tensors) != _backend.OP
 
 
@@ -322,7 +301,7 @@ def _backward_packed(ctx, grad):
 
 
 class GeGLUFunction(torch.autograd.Function):
-    """``geglu``'s autograd: the forward for validated inputs (``check_split``), the backward as above."""
+    """``geglu``'s autograd, for validated inputs (``check_split``)."""
 
     @staticmethod
     def forward(gate, up, approximate, inplace_backward):
@@ -337,7 +316,7 @@ class GeGLUFunction(torch.autograd.Function):
 
 
 class GeGLUPackedFunction(torch.autograd.Function):
-    """``geglu_packed``'s autograd: the forward for a validated ``x`` (``check_packed``)."""
+    """``geglu_packed``'s autograd, for a validated ``x`` (``check_packed``)."""
 
     @staticmethod
     def forward(x, approximate, act_first, inplace_backward):

@@ -1,20 +1,15 @@
 """Triton kernels for Gemma's RMSNorm (``rmsnorm.ops``): forward, backward and the weight-gradient reduction.
 
-Math per row of ``D`` elements (fp32 throughout, as eager's; each product and sum rounded separately: kernels
-launch with FMA contraction off)::
+Per row of ``D`` elements, in fp32 with each product and sum rounded separately (no FMA contraction)::
 
-    r  = rsqrt(sum(x * x) * fl(1/D) + eps)             # eager's CUDA mean multiplies the sum by fl(1/D)
-    y  = T((x * r) * (offset + w))                     # offset + w rounded to fp32 first, as eager's 1.0 + w.float()
+    r  = rsqrt(sum(x * x) * fl(1/D) + eps)             # as eager's CUDA mean
+    y  = T((x * r) * (offset + w))                     # offset + w rounded to fp32 first
     dxn = dy * (offset + w);  c = sum(dxn * xn) * fl(1/D)  with xn = x * r
     dx = T((dxn - xn * c) * r);  dw = W(sum over rows of dy * xn)
 
-Only the order of the row sums differs from eager's, so results agree with eager's up to how the sum's rounding
-moves ``r`` (docs/rmsnorm.md states and tests the bound).
-
-Layout: rows are ``D`` unit-stride elements with an arbitrary row stride; offsets are 64-bit. Rows up to
-``MAX_FUSED_D`` wide are held in registers (read once, written once; several narrow rows per program); wider rows
-loop over ``CHUNK``-wide slices. The backward's programs each own a fixed set of rows and write one fp32 partial
-of dw; a second kernel sums the partials in a fixed order, so dw is deterministic.
+Only the order of the row sums differs from eager's (bound: docs/rmsnorm.md). Rows have a unit-stride last dim
+and any row stride (64-bit offsets); rows up to ``MAX_FUSED_D`` stay in registers, wider ones loop over
+``CHUNK``-wide slices. dw is deterministic: fp32 per-program partials, summed in a fixed order.
 """
 
 import torch
@@ -49,7 +44,7 @@ def _fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, M, stride_x, stride_y, D, EPS, IN
 
 @triton.jit
 def _row_rstd(x_row, D, EPS, INV_D, CHUNK: tl.constexpr):
-    """rsqrt(mean(x^2) + eps) of one row wider than a slice, its squares summed in CHUNK-wide slices."""
+    """rsqrt(mean(x^2) + eps) of one row, the squares summed in CHUNK-wide slices."""
     acc = tl.zeros([CHUNK], dtype=tl.float32)
     for k in range(0, D, CHUNK):
         cols = k + tl.arange(0, CHUNK)
@@ -78,8 +73,7 @@ def _fwd_looped_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, stride_x, stride_y, D, EPS
 @triton.jit
 def _bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dwp_ptr, M, stride_dy, stride_x, stride_dx, D, EPS, INV_D,
                 OFFSET, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HAS_RSTD: tl.constexpr, HAS_DW: tl.constexpr):
-    """Program ``pid`` handles the row blocks pid, pid + G, ... (G programs) and writes its dw partial to row
-    ``pid`` of dwp [G, D] (fp32)."""
+    """Program pid of G handles row blocks pid, pid + G, ...; writes its dw partial to row pid of fp32 dwp [G, D]."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_D)
@@ -110,8 +104,7 @@ def _bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dwp_ptr, M, stride_dy, s
 @triton.jit
 def _bwd_looped_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dwp_ptr, M, stride_dy, stride_x, stride_dx, D, EPS,
                        INV_D, OFFSET, CHUNK: tl.constexpr, HAS_RSTD: tl.constexpr, HAS_DW: tl.constexpr):
-    """Rows wider than MAX_FUSED_D: one row at a time, in slices; the program's dw partial row (zero-initialised
-    by the caller) is read, added to and written per row, by this program only."""
+    """Rows wider than MAX_FUSED_D, one at a time in slices; accumulates into its own dwp row (caller zeroes it)."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     dwp_row = dwp_ptr + tl.cast(pid, tl.int64) * D
@@ -159,14 +152,12 @@ def _dw_kernel(dwp_ptr, dw_ptr, G, D, BLOCK_G: tl.constexpr, BLOCK_C: tl.constex
     tl.store(dw_ptr + cols, round_to(tl.sum(acc, axis=0), dw_ptr.dtype.element_ty), mask=cmask)
 
 
-# --- plans -----------------------------------------------------------------------------------------------------
-
 _PLANS = {}
 _F32 = {}
 
 
 def f32(v: float) -> float:
-    """``v`` rounded to fp32 (the value eager's kernels compute with), cached."""
+    """``v`` rounded to fp32, cached."""
     r = _F32.get(v)
     if r is None:
         r = torch.tensor(v, dtype=torch.float32).item()
@@ -176,7 +167,7 @@ def f32(v: float) -> float:
 
 
 def inv_d(D: int) -> float:
-    """fl(1/D) in fp32: eager's CUDA mean multiplies the fp32 sum by this factor."""
+    """fl(1/D) in fp32, the factor eager's CUDA mean applies to the sum."""
     key = ("inv", D)
     r = _F32.get(key)
     if r is None:
@@ -186,9 +177,8 @@ def inv_d(D: int) -> float:
 
 
 def fwd_plan(M: int, D: int, device: torch.device, tiles=None):
-    """(grid, block_m, block_d, num_warps, looped) for the forward. ``tiles``: (block_m, num_warps) to use instead
-    of the defaults (benchmarks sweep it). Defaults: about 4096 elements per program (several rows when they are
-    narrow, but a grid that still covers the SMs four times) and 16 elements per thread."""
+    """(grid, block_m, block_d, num_warps, looped) for the forward: up to 4096 elements per program (fewer rows
+    while the grid would not cover the SMs four times), 16 per thread. ``tiles``: (block_m, num_warps) override."""
     key = ("fwd", M, D, device, tiles)
     plan = _PLANS.get(key)
     if plan is None:
@@ -210,9 +200,8 @@ def fwd_plan(M: int, D: int, device: torch.device, tiles=None):
 
 
 def bwd_plan(M: int, D: int, device: torch.device, tiles=None):
-    """(grid, block_m, block_d, num_warps, looped) for the backward: 8 elements per thread and array (up to 32
-    warps; 16 elements at the widest rows), about one resident wave of programs (each loops over its rows; fewer
-    programs means fewer dw partials to sum). ``tiles``: (block_m, num_warps, programs) to use instead."""
+    """(grid, block_m, block_d, num_warps, looped) for the backward: 8 elements per thread (at most 32 warps),
+    about one resident wave of programs looping over rows. ``tiles``: (block_m, num_warps, programs) override."""
     key = ("bwd", M, D, device, tiles)
     plan = _PLANS.get(key)
     if plan is None:
@@ -235,12 +224,8 @@ def bwd_plan(M: int, D: int, device: torch.device, tiles=None):
     return plan
 
 
-# --- launching ---------------------------------------------------------------------------------------------------
-
-
 def _rows_view(t: torch.Tensor, D: int) -> torch.Tensor:
-    """``t`` as [M, D] rows in logical order with a unit-stride last dim: a view when the leading dims collapse
-    to one row stride, else a contiguous copy."""
+    """``t`` as [M, D] rows in logical order, unit-stride last dim: a view where possible, else a contiguous copy."""
     try:
         v = t.view(-1, D)
     except RuntimeError:
@@ -255,14 +240,12 @@ def _row_stride(t: torch.Tensor, M: int, D: int) -> int:
 
 
 def _memory_rows(t: torch.Tensor, like: torch.Tensor, D: int) -> bool:
-    """``t`` and ``like`` have the same strides and, read in memory order, are rows of D unit-stride elements: the
-    kernels can take them as [numel / D, D] row-major blocks without a view (``like`` is ``empty_like(t)``, whose
-    strides are ``t``'s exactly when ``t`` is non-overlapping and dense)."""
+    """``t`` is dense (``like = empty_like(t)`` has its strides) with a unit-stride last dim: [numel / D, D] rows."""
     return t.stride() == like.stride() and (D == 1 or t.stride(-1) == 1)
 
 
 def launch_fwd(y2, x2, w, rstd, M: int, D: int, eps: float, offset: float, sx: int, sy: int, tiles=None) -> None:
-    """y2 rows = norm(x2 rows): 2-D (or memory-order) row blocks with row strides sx, sy; rstd [M] fp32 or None."""
+    """y2 rows = norm(x2 rows), row strides sx, sy; rstd [M] fp32 or None."""
     grid, block_m, block_d, num_warps, looped = fwd_plan(M, D, x2.device, tiles)
     save = rstd is not None
     rstd_arg = rstd if save else y2
@@ -276,8 +259,8 @@ def launch_fwd(y2, x2, w, rstd, M: int, D: int, eps: float, offset: float, sx: i
 
 
 def forward(x: torch.Tensor, w: torch.Tensor, eps: float, offset: float, save_rstd: bool = False, tiles=None):
-    """(y, rstd or None): y = empty_like(x) filled with the norm of x's rows (x, w validated by the caller; eps and
-    offset already fp32 values). rstd is [M] fp32 in the row order the kernel used (see ``backward``)."""
+    """(y, rstd or None): y = empty_like(x), the norm of x's rows (x, w validated; eps, offset fp32 values); rstd
+    [M] fp32 in the kernel's row order."""
     D = x.shape[-1]
     y = torch.empty_like(x)
     M = x.numel() // D if D else 0
@@ -301,8 +284,8 @@ def forward(x: torch.Tensor, w: torch.Tensor, eps: float, offset: float, save_rs
 
 def backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd, eps: float, offset: float,
              need_dw: bool = True, tiles=None):
-    """(dx, dw): dx = empty_like(x), dw like w (None unless need_dw). ``rstd``: the forward's, or None to
-    recompute it; it is used only when this call enumerates the rows as the forward did."""
+    """(dx, dw): dx = empty_like(x), dw like w (None unless need_dw). ``rstd``: the forward's or None (recompute);
+    used only when the rows are enumerated as the forward did."""
     D = x.shape[-1]
     M = x.numel() // D if D else 0
     dx = torch.empty_like(x)
@@ -316,7 +299,7 @@ def backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd, eps: floa
         sx = sdy = sdx = D
     else:
         if x_memory and not x.is_contiguous():
-            rstd = None  # the forward enumerated x in memory order; these rows are in logical order
+            rstd = None  # forward's rows were in memory order; these are in logical order
         x2, dy2 = _rows_view(x, D), _rows_view(dy, D)
         tmp = None if dx.is_contiguous() else torch.empty((M, D), dtype=x.dtype, device=x.device)
         dx2 = dx if tmp is None else tmp
@@ -337,8 +320,7 @@ def backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd, eps: floa
         dw = None
         if need_dw:
             dw = torch.empty(D, dtype=w.dtype, device=w.device)
-            launch(_dw_kernel, (triton.cdiv(D, DW_BLOCK_C),), (dwp, dw, G, D), (DW_BLOCK_G, DW_BLOCK_C), 4,
-                    x.device)
+            launch(_dw_kernel, (triton.cdiv(D, DW_BLOCK_C),), (dwp, dw, G, D), (DW_BLOCK_G, DW_BLOCK_C), 4, x.device)
     if tmp is not None:
         dx.copy_(tmp.view(x.shape))
     return dx, dw
@@ -347,14 +329,14 @@ def backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd, eps: floa
 __all__ = ["forward", "backward", "f32", "inv_d", "fwd_plan", "bwd_plan", "INTERPRET", "MAX_FUSED_D"]
 
 
-# The build (kerneltools.build.aot) compiles every launch listed here ahead of time; a launch it did not list runs
-# Triton's JIT. The list follows fwd_plan / bwd_plan: change them together.
+# The build (kerneltools.build.aot) compiles these launches ahead of time; others run Triton's JIT. Keep in step
+# with fwd_plan / bwd_plan.
 PREBUILD_MIN_ARCH = 80
 
 
 def prebuild_launches() -> list:
-    """Every (block_m, block_d) the plans can choose for rows of 128 to ``MAX_FUSED_D``, the looped kernels and the
-    dw reduction, for each dtype, with and without width hints."""
+    """The plans' default (block_m, block_d) for block_d 128 to ``MAX_FUSED_D``, the looped kernels and the dw
+    reduction, for each dtype, with and without width hints."""
     out = []
     for dt in ("bf16", "fp16", "fp32"):
         p = f"*{dt}"

@@ -1,24 +1,10 @@
-"""Gemma's RMSNorm, fused: ``rms_norm(x, weight, eps, offset=1.0)``; and Gemma 3n / Gemma 4's form
-(``scaled_layer_forward``: offset 0, an optional weight).
+"""Gemma's RMSNorm, fused: ``rms_norm(x, weight, eps, offset=1.0)`` (transformers' ``GemmaRMSNorm``), and Gemma 3n /
+Gemma 4's form (``scaled_layer_forward``: offset 0, optional weight).
 
-The function of transformers' ``GemmaRMSNorm.forward`` (Gemma, Gemma 2, Gemma 3, ...)::
-
-    xf = x.float()
-    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).type_as(x)
-
-(https://github.com/huggingface/transformers/blob/v5.22.2/src/transformers/models/gemma3/modeling_gemma3.py):
-the scale is ``offset + w`` rounded to fp32 (``offset=1.0``: Gemma's ``1 + w``; ``offset=0.0``: ``w``), and the
-product is taken in fp32 before the one rounding to x's dtype.
-
-* CUDA tensors run the Triton kernels (``rmsnorm.kernels``: one read of x, one write of y; the backward reads x
-  and dy once and sums dw deterministically). Not bit-exact with eager: the row sum is taken in another order
-  (docs/rmsnorm.md gives and tests the bound).
-* CPU tensors run eager's own ops in the host's order (bit-exact with the host module, forward and backward);
-  with ``set_backend("triton")`` and ``TRITON_INTERPRET=1``, the Triton kernels under the interpreter (tests).
-
-Like the GeGLU functions: a torch.library op with a fake implementation and autograd for torch.compile, tracing,
-functorch and tensor subclasses; plain eager calls go straight to the implementation, through the op's autograd
-formula as an ``autograd.Function`` (:class:`RMSNormFunction`) when a gradient is recorded.
+CUDA tensors run the Triton kernels (not bit-exact: the row sum is taken in another order, bound in
+docs/rmsnorm.md; dw is deterministic). CPU tensors run eager's ops in the host's order (bit-exact, forward and
+backward), or the Triton kernels with ``set_backend("triton")`` and ``TRITON_INTERPRET=1``. Traced calls and
+tensor subclasses run the torch.library op; plain eager calls run the implementation directly.
 """
 
 from typing import Tuple
@@ -37,17 +23,14 @@ _OK_DTYPES = frozenset(SUPPORTED_DTYPES)
 _triton = _backend.lazy_module(".kernels", __package__)
 
 
-# --- validation ----------------------------------------------------------------------------------------------
-
-
 def _ok(x: Tensor, weight: Tensor) -> bool:
-    """The common valid call in one pass; anything else goes through check_rms_norm's detailed messages."""
+    """The common valid call, checked in one pass."""
     return (x.dtype in _OK_DTYPES and weight.dtype in _OK_DTYPES and weight.dim() == 1 and x.dim() > 0
             and weight.shape[0] == x.shape[-1] and weight.device == x.device)
 
 
 def check_rms_norm(x: Tensor, weight: Tensor) -> None:
-    """x [..., D] and weight [D]: float32/float16/bfloat16 (each its own), one device."""
+    """x [..., D] and weight [D], each float32/float16/bfloat16, on one device; else TypeError/ValueError."""
     if isinstance(x, Tensor) and isinstance(weight, Tensor) and _ok(x, weight):
         return
     for name, t in (("x", x), ("weight", weight)):
@@ -84,19 +67,15 @@ def _as_float(v, name: str) -> float:
     return float(v)
 
 
-# --- implementations -------------------------------------------------------------------------------------------
-
-
 def host_forward(x: Tensor, weight: Tensor, eps: float, offset: float = 1.0) -> Tensor:
-    """The host module's own math, op for op (what CPU tensors run, and what the layer runs under torch.compile)."""
+    """The host module's own math, op for op."""
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (y * (offset + weight.float())).type_as(x)
 
 
 def cpu_forward(x: Tensor, weight: Tensor, eps: float, offset: float) -> Tensor:
-    """The CPU implementation: eager's ops in the host's order (bit-exact with the host module). Called with a
-    gradient to record, eager autograd records its own graph of these ops: the gradients are eager's."""
+    """The CPU implementation: eager's ops in the host's order; under autograd, eager records these ops itself."""
     return host_forward(x, weight, eps, offset)
 
 
@@ -105,9 +84,8 @@ def _sum_to(t: Tensor, dims) -> Tensor:
 
 
 def cpu_backward(grad: Tensor, x: Tensor, weight: Tensor, eps: float, offset: float) -> Tuple[Tensor, Tensor]:
-    """(dx, dw) as eager autograd computes them for host_forward: each backward formula of PyTorch's
-    tools/autograd/derivatives.yaml (mul, rsqrt, mean, pow, the casts) and the engine's reduction of broadcast
-    gradients (at::sum_to), in the order the engine runs them. For the ops' backward on CPU tensors."""
+    """(dx, dw) of host_forward as eager autograd computes them (derivatives.yaml formulas and sum_to, in the
+    engine's order), for the ops' backward on CPU tensors."""
     xf = x.float()
     wf = weight.float()
     r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -126,7 +104,7 @@ def cpu_backward(grad: Tensor, x: Tensor, weight: Tensor, eps: float, offset: fl
 
 
 def _use_triton(x: Tensor) -> bool:
-    """Whether the Triton kernels take x."""
+    """Whether the Triton kernels take x; raises for unsupported devices or CPU 'triton' without the interpreter."""
     if x.is_cuda:
         return True
     if x.device.type != "cpu":
@@ -143,7 +121,7 @@ def _use_triton(x: Tensor) -> bool:
 
 def _backward(grad: Tensor, x: Tensor, weight: Tensor, eps: float, offset: float, rstd=None,
               need_dw: bool = True) -> Tuple[Tensor, Tensor]:
-    """(dx, dw) for validated inputs; ``rstd``: the forward's [rows] fp32, or None to recompute it from x."""
+    """(dx, dw) for validated inputs; ``rstd``: the forward's [rows] fp32, or None to recompute."""
     if _use_triton(x):
         t = _triton()
         return t.backward(grad, x, weight, rstd, t.f32(eps), t.f32(offset), need_dw)
@@ -157,9 +135,6 @@ def _like(result: Tensor, ref: Tensor) -> Tensor:
         return result
     out.copy_(result)
     return out
-
-
-# --- the ops and their autograd ---------------------------------------------------------------------------------
 
 
 @op(add_op_namespace_prefix("rms_norm"))
@@ -199,8 +174,7 @@ def _setup(ctx, inputs, output):
 
 
 def _norm_backward(ctx, grad):
-    """The backward of both routes: the implementation for plain tensors (with the forward's rstd where it saved
-    one), the backward op where the call is traced or holds tensor subclasses."""
+    """Backward of both routes: the implementation for plain tensors (with a saved rstd), else the backward op."""
     x, weight, *rstd = ctx.saved_tensors
     if _backend.call_mode(grad, x, weight) == _backend.OP:
         dx, dw = rms_norm_backward(grad, x, weight, ctx.eps, ctx.offset)
@@ -214,8 +188,7 @@ rms_norm_op.register_autograd(_norm_backward, setup_context=_setup)
 
 
 class RMSNormFunction(torch.autograd.Function):
-    """The op's autograd for plain eager calls of the Triton kernels: the forward also saves its rstd ([rows] fp32)
-    for the backward. CPU tensors need no node of ours: eager autograd records the CPU implementation's own ops."""
+    """The op's autograd for plain eager Triton calls; the forward also saves rstd ([rows] fp32)."""
 
     @staticmethod
     def forward(ctx, x, weight, eps, offset):
@@ -231,12 +204,8 @@ class RMSNormFunction(torch.autograd.Function):
 _apply = fast_apply(RMSNormFunction)
 
 
-# --- public --------------------------------------------------------------------------------------------------
-
-
 def _plain_eager(x, weight) -> bool:
-    """A plain eager call (``runtime.backend.call_mode``: plain tensors, a Parameter is one; no compile, tracing or
-    functorch transform)."""
+    """Plain tensors (or Parameters), not traced (``runtime.backend.call_mode``)."""
     return _backend.call_mode(x, weight) != _backend.OP
 
 
@@ -250,13 +219,11 @@ def _run(x: Tensor, weight: Tensor, eps: float, offset: float) -> Tensor:
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, offset: float = 1.0) -> Tensor:
-    """Gemma's RMSNorm of x's last dimension: ``(x * rsqrt(mean(x^2) + eps) * (offset + weight)).type_as(x)``,
-    computed in fp32 as transformers' ``GemmaRMSNorm`` (``offset=1.0``, the default; ``0.0`` scales by ``weight``).
+    """Computes ``(x * rsqrt(mean(x^2, -1) + eps) * (offset + weight)).type_as(x)`` in fp32, as transformers'
+    ``GemmaRMSNorm`` (``offset=1.0``; ``0.0`` scales by ``weight``).
 
-    Shapes: x ``[..., D]`` (any leading shape, any layout; float32/float16/bfloat16), weight ``[D]``
-    (float32/float16/bfloat16, e.g. the model's dtype); returns x's shape and dtype (laid out like
-    ``torch.empty_like(x)``). Differentiable in x and weight (dw summed over rows in fp32, then cast to weight's
-    dtype; deterministic).
+    Shapes: x ``[..., D]`` (any layout), weight ``[D]``, each float32/float16/bfloat16 -> x's shape and dtype,
+    laid out like ``torch.empty_like(x)``. Differentiable in x and weight (dw summed in fp32, deterministic).
     """
     eps, offset = _as_float(eps, "eps"), _as_float(offset, "offset")
     check_rms_norm(x, weight)
@@ -266,19 +233,15 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, offset: float = 1.0) 
 
 
 def layer_forward(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """``GemmaRMSNorm.forward`` outside torch.compile: the kernels for a plain eager call on supported tensors, the
-    host's own math for anything else (tensor subclasses such as DTensor, functorch, other dtypes or devices)."""
+    """``GemmaRMSNorm.forward`` outside torch.compile: the implementation for plain eager calls on supported
+    tensors, the host's own math otherwise."""
     if _plain_eager(x, weight) and (x.is_cuda or x.is_cpu) and _ok(x, weight):
         return _run(x, weight, eps if type(eps) is float else _as_float(eps, "eps"), 1.0)
     return host_forward(x, weight, eps)
 
 
-# --- Gemma 3n / Gemma 4's form --------------------------------------------------------------------------------
-# ``Gemma3nRMSNorm.forward`` (Gemma 3n, Gemma 4, ...): the scale is ``w`` itself (offset 0), r is ``torch.pow(ms,
-# -0.5)``, and ``with_scale=False`` instances have no weight. The kernels compute it with offset 0 and, without a
-# weight, a scale of ones (the product by 1.0 is exact in fp32); CPU tensors run the host's own ops.
-
-
+# Gemma3nRMSNorm's form: scale ``w`` (offset 0), r = pow(ms, -0.5) in the host; without a weight the kernels
+# scale by ones (exact in fp32).
 def scaled_host_forward(x: Tensor, weight, eps: float) -> Tensor:
     """``Gemma3nRMSNorm.forward``, op for op; ``weight`` None for ``with_scale=False``."""
     xf = x.float()
@@ -288,14 +251,11 @@ def scaled_host_forward(x: Tensor, weight, eps: float) -> Tensor:
     return y.type_as(x)
 
 
-_UNIT_SCALES: dict = {}  # (D, device) -> ones(D) fp32
+_UNIT_SCALES: dict = {}  # (D, dtype, device) -> ones(D)
 
 
 def _unit_scale(x: Tensor):
-    """ones(D) in x's dtype on x's device (the scale of a norm without weight: 1 exactly in every float dtype, so
-    the kernels' fp32 scale is 1.0 as from fp32 ones, and the launch is the weighted norm's), made once; None while
-    a CUDA graph is being captured and it does not exist yet (a tensor made in the capture would belong to the
-    graph's pool)."""
+    """Cached ones(D) in x's dtype and device; None if not cached yet during CUDA graph capture."""
     key = (x.shape[-1], x.dtype, x.device)
     w = _UNIT_SCALES.get(key)
     if w is None:
@@ -306,8 +266,8 @@ def _unit_scale(x: Tensor):
 
 
 def scaled_layer_forward(x: Tensor, weight, eps: float) -> Tensor:
-    """``Gemma3nRMSNorm.forward`` outside torch.compile: the kernels for a plain eager call of CUDA tensors (and of
-    CPU tensors under the 'triton' backend), the host's own math for anything else."""
+    """``Gemma3nRMSNorm.forward`` outside torch.compile: the kernels for plain eager calls on CUDA (and CPU under the
+    'triton' backend), the host's own math otherwise."""
     if (x.is_cuda or (x.is_cpu and _backend.get_backend() == "triton")) and x.dim() > 0:
         w = weight if weight is not None else _unit_scale(x)
         if w is not None and _plain_eager(x, w) and _ok(x, w):

@@ -1,28 +1,9 @@
-"""Prebuilt kernels: the Triton kernels compiled at build time for the GPU architectures a variant declares, launched
-through the CUDA driver without Triton's JIT.
+"""Prebuilt Triton kernels (compiled at build time per declared ``sm_XY``), launched through the CUDA driver.
 
-The build (``kerneltools.build.aot``) compiles every launch the package's plans can make (kernel, constexprs, warps,
-stages, argument types and which arguments are 16-byte aligned / divisible by 16) with ``triton.compile`` for each
-declared ``sm_XY`` and writes them in the variant's root folder::
-
-    _prebuilt_sm90.json     the index: one entry per compiled kernel (its launch key, entry name, shared memory,
-                            parameter list, TMA descriptor layouts, offset and size in the .cubin file)
-    _prebuilt_sm90.cubin    the cubins, each zlib-compressed, concatenated
-
-Which binaries a device runs (:func:`serving_arch`): those built for its exact capability; else, for an sm_8x
-GPU, those of the highest shipped sm_8y with y <= x (NVIDIA's binary compatibility: an sm_80 / sm_86 cubin runs on
-later minors of major 8); else none. From sm_90 up the cubins target the arch-specific ``sm_90a`` / ``sm_100a`` /
-``sm_120a`` (wgmma, TMA), which run on that one architecture only: sm_103 and sm_121 get none, nor does sm_75
-(docs/prebuilt.md names the products of each family).
-
-At run time :func:`find` finds the entry for a launch on the device's architecture and launches it with
-``cuLaunchKernel`` (``libcuda``, which torch has already loaded); TMA descriptors are encoded with
-``cuTensorMapEncodeTiled`` as Triton's launcher encodes them. A launch without an entry (an architecture without
-binaries, a variant without these files, an unaligned argument, a plan the build did not cover) returns None and the
-caller uses Triton's JIT, as without prebuilt kernels. A binary the driver refuses (``cuModuleLoadData`` or the
-function lookup fails, e.g. a driver older than the toolkit that assembled it) turns the prebuilt kernels off on
-that device, with one warning: every kernel not loaded there yet goes through Triton's JIT from then on. The
-``prebuilt`` setting (``GEGLU_PREBUILT=0``) turns them off everywhere.
+Per architecture the package folder holds ``_prebuilt_smXY.json`` (the index: launch key, entry name, shared memory,
+parameters, TMA layouts, offset and size per kernel) and ``_prebuilt_smXY.cubin`` (zlib-compressed cubins). A device
+runs :func:`serving_arch`'s binaries. :func:`find` returns None where there is no entry or the ``prebuilt`` setting is
+off (the caller uses Triton's JIT). A binary the driver refuses turns prebuilt kernels off on that device (one warning).
 """
 
 import ctypes
@@ -41,15 +22,14 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the packag
 PREFIX = "_prebuilt_sm"
 TYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
               torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8"}
-# The compiler's TMA element type -> cuTensorMapEncodeTiled's CUtensorMapDataType (they differ in three values;
-# Triton's launcher maps them the same way)
+# The compiler's TMA element type -> cuTensorMapEncodeTiled's CUtensorMapDataType (as Triton's launcher maps them)
 _TMA_HOST_TYPE = {8: 10, 9: 8, 10: 9}
 _I32_MIN, _I32_MAX = -(2 ** 31), 2 ** 31
 
 
 class Desc:
-    """A host-side TMA descriptor to be encoded at launch: ``base`` tensor, logical ``shape`` and element
-    ``strides`` (unit last stride), the kernel's ``block`` shape (Triton's ``TensorDescriptor`` fields)."""
+    """A host-side TMA descriptor encoded at launch: ``base`` tensor, ``shape``, element ``strides`` (unit last
+    stride) and the kernel's ``block`` shape."""
 
     __slots__ = ("base", "shape", "strides", "block")
 
@@ -58,7 +38,7 @@ class Desc:
 
 
 def arg_type(a) -> str:
-    """The Triton signature type of a launch argument (what the build compiled for)."""
+    """The Triton signature type of a launch argument."""
     if isinstance(a, Desc):
         return f"tensordesc<{TYPE_NAMES[a.base.dtype]}[{', '.join(map(str, a.block))}]>"
     if isinstance(a, bool):
@@ -71,8 +51,8 @@ def arg_type(a) -> str:
 
 
 def arg_hint(a) -> bool:
-    """Whether Triton would mark the argument divisible by 16 (pointers: 16-byte aligned). 1 is not hinted: the JIT
-    makes it a constant, the prebuilt kernels take it as a value."""
+    """Whether Triton would mark the argument divisible by 16 (pointers: 16-byte aligned); never descriptors, bools,
+    floats."""
     if isinstance(a, Desc) or isinstance(a, (bool, float)):
         return False
     if isinstance(a, int):
@@ -81,14 +61,12 @@ def arg_hint(a) -> bool:
 
 
 def key(fn_name: str, consts, num_warps: int, num_stages: int, types) -> str:
-    """The index key of a launch (types: the arguments' signature types in order; booleans count as 0 / 1, as the
-    compiled constants do)."""
+    """The index key of a launch (``types``: the arguments' signature types in order; bool constexprs as 0 / 1)."""
     consts = [int(c) if isinstance(c, bool) else c for c in consts]
     return json.dumps([fn_name, consts, num_warps, num_stages, list(types)])
 
 
 # --- the index ---------------------------------------------------------------------------------------------------
-
 _lock = threading.Lock()
 _indexes = {}  # arch -> (entries by key, cubin bytes) or None
 
@@ -110,8 +88,7 @@ def _index(arch: int):
             entries = {}
             for e in manifest["kernels"]:
                 e["hint_mask"] = sum(1 << i for i, h in enumerate(e["hints"]) if h)
-                entries.setdefault(key(e["fn"], e["consts"], e["num_warps"], e["num_stages"], e["types"]),
-                                   []).append(e)
+                entries.setdefault(key(e["fn"], e["consts"], e["num_warps"], e["num_stages"], e["types"]), []).append(e)
             for group in entries.values():  # the most specialised first
                 group.sort(key=lambda e: -len([h for h in e["hints"] if h]))
             idx = (entries, blob)
@@ -120,14 +97,13 @@ def _index(arch: int):
 
 
 def architectures():
-    """The architectures this variant ships prebuilt kernels for, e.g. [80, 86, 89, 90, 100, 120]."""
+    """The architectures (XY) this variant ships prebuilt kernels for, sorted."""
     return sorted(int(n[len(PREFIX):-5]) for n in os.listdir(HERE) if n.startswith(PREFIX) and n.endswith(".json"))
 
 
 def serving_arch(capability: int, shipped) -> "int | None":
     """The shipped architecture whose binaries a device of ``capability`` (XY, e.g. 87) runs, or None (Triton's
-    JIT): the exact one; else, below sm_90, the highest shipped one of the same major and a lower minor (portable
-    ``sm_8x`` cubins run on later minors); never across majors, and never another arch's ``sm_XYa`` binaries."""
+    JIT): the exact one; else, below 90, the highest shipped one of the same major and a lower minor."""
     if capability in shipped:
         return capability
     if capability >= 90:
@@ -136,26 +112,20 @@ def serving_arch(capability: int, shipped) -> "int | None":
     return max(same_major) if same_major else None
 
 
-# The GPU families of the docs' table (docs/prebuilt.md names their products), by compute capability XY: what
-# prebuilt_kernels() reports on
+# The compute capabilities (XY) that info()'s ``gpus`` reports on
 FAMILIES = (75, 80, 86, 87, 89, 90, 100, 103, 110, 120, 121)
 
 
 def preload() -> None:
-    """Read the index (and the cubins' file) of every shipped architecture, so that the first launch does not."""
+    """Read the index and cubins of every shipped architecture now."""
     for arch in architectures():
         _index(arch)
 
 
 def info() -> dict:
-    """What this variant ships prebuilt, e.g. ``{'architectures': [80, 86, 89, 90, 100, 120], 'kernels': {80: 984,
-    ...}, 'targets': {80: 'sm_80', ..., 90: 'sm_90a', ...}, 'ptxas': '12.9', 'triton': '3.9.0', 'gpus': {...},
-    'refused': {}}``: the compute capabilities as XY, the kernels and the ptxas target per architecture, the CUDA
-    release of the ptxas and the Triton that compiled them; ``gpus`` maps each GPU family's capability (75, 80, 86,
-    87, 89, 90, 100, 103, 110, 120, 121) to ``{'runs': 'sm_86'}`` (the binaries it runs) or ``{'runs': 'jit'}``
-    (Triton compiles on it); ``refused`` lists the devices whose driver refused the binaries
-    (index -> the error), which run the JIT. No architectures in a variant without prebuilt kernels (there every
-    Triton kernel is compiled by the JIT at first use)."""
+    """What this variant ships prebuilt: ``architectures`` (XY list), per architecture the ``kernels`` count and ptxas
+    ``targets``, the ``ptxas`` and ``triton`` versions that compiled them, ``gpus`` (each capability of ``FAMILIES``
+    -> ``{'runs': 'sm_XY'}`` or ``{'runs': 'jit'}``) and ``refused`` (device index -> the driver's error)."""
     out = {"architectures": architectures(), "kernels": {}, "targets": {}, "ptxas": None, "triton": None}
     for arch in out["architectures"]:
         with open(os.path.join(HERE, f"{PREFIX}{arch}.json")) as f:
@@ -174,17 +144,15 @@ def info() -> dict:
 
 
 # --- the driver ----------------------------------------------------------------------------------------------------
-
 _cuda = None
 _arch_of = {}  # device index -> sm number (None: no prebuilt kernels there)
 _loaded = {}  # (entry id, device) -> CUfunction
 _launchers = {}  # (entry id, device) -> run
-_refused = {}  # device index -> why its driver refused a prebuilt binary (the JIT runs there)
+_refused = {}  # device index -> the driver's error refusing a prebuilt binary
 
 
 def clear_caches() -> None:
-    """Forget the indexes read, the modules loaded and the devices' architectures (benchmarks that point ``HERE``
-    at another build's binaries call it, with ``launch.clear_caches()``)."""
+    """Forget the indexes read, the modules loaded and the devices' architectures."""
     for cache in (_indexes, _arch_of, _loaded, _launchers):
         cache.clear()
 
@@ -246,7 +214,7 @@ def _function(entry: dict, device_index: int, blob: bytes):
         lib = _driver()
         ctx = ctypes.c_void_p()
         _check(lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
-        if not ctx.value:  # a thread where nothing made the primary context current yet
+        if not ctx.value:  # no current context on this thread: use the primary one
             _check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), device_index), "cuDevicePrimaryCtxRetain")
             _check(lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
         module, fn_ptr = ctypes.c_void_p(), ctypes.c_void_p()
@@ -272,12 +240,11 @@ def _float_bits(v: float) -> int:
     return b
 
 
-_descs = {}  # (base, shape, strides, box, swizzle, type) -> the encoded CUtensorMap (weights recur every call)
+_descs = {}  # (base, shape, strides, box, swizzle, type) -> the encoded CUtensorMap
 
 
 def _encode(d: Desc, meta: dict, words, at: int) -> None:
-    """Write d's CUtensorMap (16 words) at words[at:]: Triton's tiled encoding (dims innermost first, byte strides
-    of the outer dims, the block as the box, unit element strides, 128-byte L2 promotion, zero fill)."""
+    """Write d's CUtensorMap (16 words) at words[at:], encoded tiled as Triton encodes it."""
     key = (d.base.data_ptr(), tuple(d.shape), tuple(d.strides), tuple(meta["block_size"]), meta["swizzle"],
            meta["elem_type"])
     desc = _descs.get(key)
@@ -302,8 +269,7 @@ def _encode(d: Desc, meta: dict, words, at: int) -> None:
 
 
 def find(fn_name: str, args, consts, num_warps: int, num_stages: int, device_index: int):
-    """The prebuilt kernel for this launch on ``device_index`` as a callable ``run(grid, args, stream)``, or None
-    (then the caller uses Triton's JIT)."""
+    """The prebuilt kernel for this launch on ``device_index`` as ``run(grid, args, stream)``, or None."""
     if not _config.current.prebuilt:
         return None
     arch = _arch(device_index)
@@ -330,8 +296,7 @@ def find(fn_name: str, args, consts, num_warps: int, num_stages: int, device_ind
 
 
 def _refuse(device_index: int, arch: int, error: Exception) -> None:
-    """The driver refused a prebuilt binary: no more prebuilt kernels loaded on this device (the JIT runs the
-    rest), said once."""
+    """Turn prebuilt kernels off on this device after the driver refused one; warns once per device."""
     with _lock:
         if device_index in _refused:
             return
@@ -344,9 +309,9 @@ def _refuse(device_index: int, arch: int, error: Exception) -> None:
 
 
 def _launcher(entry: dict, function: int):
-    """run(grid, args, stream): the kernel's parameters packed as 64-bit words (a TMA descriptor takes 16, followed
-    by its shape as i32 and its strides as i64, as Triton passes host-side descriptors; then the global and the
-    profile scratch pointers, both null), launched with the block and shared memory the compile chose."""
+    """run(grid, args, stream): the parameters packed as 64-bit words (a TMA descriptor: 16 words, then its shape
+    and strides; then two null scratch pointers), launched with the compiled block and shared memory; an empty
+    grid launches nothing."""
     kinds = entry["types"]
     metas = entry.get("tensordesc_meta") or []
     threads, shared = 32 * entry["num_warps"], entry["shared"]
@@ -393,7 +358,6 @@ def _launcher(entry: dict, function: int):
         gz = grid[2] if len(grid) > 2 else 1
         if gx * gy * gz:
             _check(launch(function, gx, gy, gz, threads, 1, 1, shared, stream, params, None), "cuLaunchKernel")
-
     return run
 
 

@@ -1,16 +1,10 @@
-"""Which implementation runs a call, and through which path.
+"""Which implementation runs a call (``impl_for``) and through which path (``call_mode``).
 
-Implementations (``impl_for``), by the ``backend`` setting (``runtime.config``):
-
-* ``auto`` (default): CUDA tensors use the Triton kernels, except problems under ``CUDA_LIB_BELOW`` elements, which
-  use the compiled library when this build variant has it (its launch costs the host less: decode sizes);
-  CPU tensors use the CPU implementation (eager's own kernels).
-* ``cuda``: CUDA tensors always use the compiled library (an error if this variant has none).
-* ``triton``: always the Triton kernels, CPU tensors too (meaningful under ``TRITON_INTERPRET=1``; for tests).
-
-Paths (``call_mode``): a plain eager call goes straight to the implementation (``PLAIN``, or ``AUTOGRAD`` through
-an ``autograd.Function`` when a gradient is recorded); graph capture, tracing, functorch transforms and tensor
-subclasses (fake, functional, DTensor, ...) take the ``torch.library`` op (``OP``).
+By the ``backend`` setting: ``auto``: CUDA tensors use the Triton kernels, or the compiled library (where this variant
+has it) below ``CUDA_LIB_BELOW`` elements; CPU tensors use eager's kernels. ``cuda``: CUDA tensors always use the
+compiled library (an error if the variant has none). ``triton``: always the Triton kernels, CPU tensors too (under
+``TRITON_INTERPRET=1``). Paths: ``PLAIN`` / ``AUTOGRAD`` for plain eager calls, ``OP`` (the ``torch.library`` op)
+under graph capture, tracing, functorch transforms and for tensor subclasses.
 """
 
 import importlib
@@ -24,13 +18,10 @@ from .._ops import HAS_CUDA_LIB
 BACKENDS = _config.BACKENDS
 CUDA_LIB_BELOW = 1 << 21
 
-# Under 'auto', eager calls of the pointwise functions that record a gradient on CUDA tensors below this many
-# elements run PyTorch's own ops (``F.gelu(gate) * up``: the same values and gradients bit for bit). Below it the
-# step is host-bound: the GPU time the kernels save is less than what a Python autograd node costs the host over
-# eager's two C++ nodes (the pointwise benchmark's autograd rows time both at every size).
+# Under 'auto', eager CUDA calls that record a gradient below this many elements run PyTorch's own ops
+# (``F.gelu(gate) * up``, bit-identical values and gradients): there the step is host-bound.
 AUTOGRAD_EAGER_BELOW = 1 << 26
-# The same for GeGLUMLP's training step as one node ([M, H] elements): its GPU work (five GEMMs) hides the node's
-# host cost from far smaller sizes on.
+# The same for GeGLUMLP's training step as one node ([M, H] elements).
 NODE_EAGER_BELOW = 1 << 21
 
 OP, PLAIN, AUTOGRAD = 0, 1, 2
@@ -60,8 +51,7 @@ def call_mode(*tensors: Tensor) -> int:
 
 
 def lazy_module(name: str, package: str):
-    """A function returning module ``name`` (relative to ``package``), imported on its first call: the Triton
-    kernels' modules, which import triton, load only where a kernel may run."""
+    """A function returning module ``name`` (relative to ``package``), imported on its first call."""
     module = None
 
     def get():
@@ -69,13 +59,11 @@ def lazy_module(name: str, package: str):
         if module is None:
             module = importlib.import_module(name, package)
         return module
-
     return get
 
 
 def set_backend(name: str) -> None:
-    """Choose the implementation: 'auto', 'cuda' (the compiled library) or 'triton' (same as
-    ``configure(backend=name)``)."""
+    """Choose the implementation: 'auto', 'cuda' or 'triton' (same as ``configure(backend=name)``)."""
     _config.configure(backend=_config.parse_backend(name, "geglu.set_backend(name)"))
 
 
@@ -97,16 +85,13 @@ def impl_for(device_type: str, numel: int) -> str:
         if HAS_CUDA_LIB:
             return "cuda" if backend == "cuda" or numel < CUDA_LIB_BELOW else "triton"
         if backend == "cuda":
-            raise RuntimeError(
-                "geglu: the backend is 'cuda' (GEGLU_BACKEND or geglu.configure) but this build variant has no "
-                "compiled CUDA library; load the torch-stable-abi* variant, or choose 'triton' / 'auto'."
-            )
+            raise RuntimeError("geglu: the backend is 'cuda' (GEGLU_BACKEND or geglu.configure) but this build variant "
+                               "has no compiled CUDA library; load the torch-stable-abi* variant, or choose 'triton' / "
+                               "'auto'.")
         return "triton"
     if device_type == "cpu":
         return "cpu"
-    raise NotImplementedError(
-        f"geglu: tensors on {device_type!r} are not supported; expected CUDA or CPU tensors."
-    )
+    raise NotImplementedError(f"geglu: tensors on {device_type!r} are not supported; expected CUDA or CPU tensors.")
 
 
 # --- shipped rules -------------------------------------------------------------------------------------------------
@@ -124,10 +109,9 @@ def capability_major(device: torch.device) -> int:
 
 
 def shipped_rule(rules: dict, device: torch.device, **measures) -> bool:
-    """Whether a call meets a rule shipped with the package, decided from its shape alone (nothing is timed at run
-    time): ``rules`` maps a compute capability major to the least value of each measure, e.g.
-    ``{9: {"min_m": 1024}}`` with ``min_m=M``. False on an architecture the rules do not list; True on CPU tensors
-    (the Triton interpreter, tests)."""
+    """Whether a call meets a shipped rule: ``rules`` maps a compute capability major to the least value of each
+    measure, e.g. ``{9: {"min_m": 1024}}`` with ``min_m=M``. False on an architecture the rules do not list; True on
+    non-CUDA tensors."""
     if device.type != "cuda":
         return True
     rule = rules.get(capability_major(device))

@@ -1,5 +1,5 @@
-"""Input validation shared by every op (real and fake implementations), so bad input fails the same way in eager
-mode, under torch.compile and on every backend: a clear message, never a silent wrong answer or a crash."""
+"""Input validation shared by every op's real and fake implementations: bad input raises the same error in eager
+mode, under torch.compile and on every backend."""
 
 from typing import Optional
 
@@ -14,14 +14,12 @@ _DTYPE_NAMES = "torch.float32, torch.float16 or torch.bfloat16"
 
 def check_approximate(approximate: str) -> None:
     if approximate not in APPROXIMATIONS:
-        raise ValueError(
-            f"geglu: approximate={approximate!r} is not supported; expected 'none' (exact erf GELU) or 'tanh' "
-            "(the tanh approximation, transformers' gelu_pytorch_tanh)."
-        )
+        raise ValueError(f"geglu: approximate={approximate!r} is not supported; expected 'none' (exact erf GELU) "
+                         "or 'tanh' (the tanh approximation, transformers' gelu_pytorch_tanh).")
 
 
 def is_tanh(approximate: str) -> bool:
-    """The kernels' flag for a validated ``approximate``: True for the tanh GELU, False for the exact one."""
+    """The kernels' flag for a validated ``approximate``: True for the tanh GELU."""
     return approximate == "tanh"
 
 
@@ -29,16 +27,13 @@ def _check_one(name: str, t: torch.Tensor) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"geglu: {name} must be a torch.Tensor, got {type(t).__name__}.")
     if t.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(
-            f"geglu: {name} has dtype {t.dtype}; expected {_DTYPE_NAMES}. Cast it first, e.g. {name}.to(torch.bfloat16)."
-        )
+        raise TypeError(f"geglu: {name} has dtype {t.dtype}; expected {_DTYPE_NAMES}. "
+                        f"Cast it first, e.g. {name}.to(torch.bfloat16).")
     if t.dim() == 0:
         raise ValueError(f"geglu: {name} is a 0-dim tensor; expected at least one dimension (the feature dim).")
     if t.shape[-1] > 1 and t.stride(-1) != 1 and t.numel() > 0:
-        raise ValueError(
-            f"geglu: {name} has stride {t.stride(-1)} in its last dimension; expected 1 (rows may be strided, but "
-            f"the feature dim must be contiguous). Pass {name}.contiguous()."
-        )
+        raise ValueError(f"geglu: {name} has stride {t.stride(-1)} in its last dimension; expected 1 (rows may be "
+                         f"strided, but the feature dim must be contiguous). Pass {name}.contiguous().")
 
 
 def _check_same(names: tuple, tensors: tuple) -> None:
@@ -47,23 +42,18 @@ def _check_same(names: tuple, tensors: tuple) -> None:
         if t.dtype != ref.dtype:
             raise TypeError(f"geglu: {ref_name} is {ref.dtype} but {name} is {t.dtype}; expected the same dtype.")
         if t.device != ref.device:
-            raise ValueError(
-                f"geglu: {ref_name} is on {ref.device} but {name} is on {t.device}; expected one device. "
-                "Move them with .to(device)."
-            )
+            raise ValueError(f"geglu: {ref_name} is on {ref.device} but {name} is on {t.device}; expected one device. "
+                             "Move them with .to(device).")
         if t.shape != ref.shape:
-            raise ValueError(
-                f"geglu: {ref_name} has shape {tuple(ref.shape)} but {name} has shape {tuple(t.shape)}; "
-                "expected equal shapes."
-            )
+            raise ValueError(f"geglu: {ref_name} has shape {tuple(ref.shape)} but {name} has shape {tuple(t.shape)}; "
+                             "expected equal shapes.")
 
 
 _OK_DTYPES = frozenset(SUPPORTED_DTYPES)
 
 
 def _split_ok(gate, up, approximate, out) -> bool:
-    """The common valid case in one pass (a call is a few µs at decode sizes); anything else goes through the
-    detailed checks, which name the problem."""
+    """True for the common valid split call, checked in one pass; False sends it to the detailed checks."""
     dt = gate.dtype
     if approximate not in APPROXIMATIONS or dt not in _OK_DTYPES or up.dtype != dt:
         return False
@@ -99,10 +89,8 @@ def check_packed(x: torch.Tensor, approximate: str, out: Optional[torch.Tensor] 
     _check_one("x", x)
     two_d = x.shape[-1]
     if two_d % 2:
-        raise ValueError(
-            f"geglu: the packed input's last dimension is {two_d}, which is odd; expected 2*d (the activated half "
-            "and the multiplied half side by side)."
-        )
+        raise ValueError(f"geglu: the packed input's last dimension is {two_d}, which is odd; expected 2*d (the "
+                         "activated half and the multiplied half side by side).")
     d = two_d // 2
     if out is not None:
         _check_one("out", out)

@@ -1,35 +1,17 @@
-"""The package's settings, in one object read once from the environment at import.
+"""The package's settings: one frozen :class:`Config`, read from the environment at import.
 
-=================  ==========================  ============================================================
-setting            environment variable        meaning
-=================  ==========================  ============================================================
-``backend``        ``GEGLU_BACKEND``           ``"auto"`` (default), ``"cuda"`` (the compiled library at every
-                                               size) or ``"triton"`` (the Triton kernels, CPU tensors too under
-                                               ``TRITON_INTERPRET=1``)
-``fused_mlp``      ``GEGLU_FUSED_MLP``         ``GeGLUMLP`` in inference, and the MoE experts' grouped_mm
-                                               inference, take the fused gate/up GEMM (the GeGLU in its
-                                               epilogue: more accurate than eager, not its bits) where the shipped
-                                               rule for the GPU's architecture says it is faster (``mlp.ops``,
-                                               ``experts.ops``: from the shape, nothing timed) (default on; ``0``:
-                                               eager's bits everywhere)
-``cuda_plan``      ``GEGLU_CUDA_PLAN``         the compiled library's launch plan, for tuning on a new GPU
-                                               and for tests: ``""`` (default) the built-in choice per size,
-                                               ``"<threads>,<unroll>"`` one tile per block (threads 32..256, a
-                                               multiple of 32; unroll 1, 2 or 4) or ``"<threads>,p<stages>"``
-                                               the cp.async pipeline (stages 2 or 4); the same bits either way
-``prebuilt``       ``GEGLU_PREBUILT``          launch the Triton kernels this variant ships compiled for the
-                                               GPU's architecture (``runtime.aot``: no JIT compilation), where it has
-                                               them (default on; ``0``: Triton's JIT for every Triton kernel)
-=================  ==========================  ============================================================
+* ``backend`` (``GEGLU_BACKEND``): ``"auto"`` (default), ``"cuda"`` (the compiled library at every size) or
+  ``"triton"`` (the Triton kernels, CPU tensors too under ``TRITON_INTERPRET=1``).
+* ``fused_mlp`` (``GEGLU_FUSED_MLP``, default on): inference of ``GeGLUMLP`` and the MoE experts takes the fused
+  gate/up GEMM (GeGLU in its epilogue: not eager's bits) where the shipped rule for the architecture says so.
+* ``cuda_plan`` (``GEGLU_CUDA_PLAN``): the compiled library's launch plan: ``""`` (default) the built-in choice,
+  ``"<threads>,<unroll>"`` (threads 32..256, a multiple of 32; unroll 1, 2 or 4) or ``"<threads>,p<stages>"``
+  (cp.async pipeline, stages 2 or 4); the same bits either way.
+* ``prebuilt`` (``GEGLU_PREBUILT``, default on): launch the Triton kernels this variant ships compiled
+  (``runtime.aot``) where it has them; off: Triton's JIT always.
 
-Change them for a process with :func:`configure` (also a context manager)::
-
-    geglu.configure(fused_mlp=False)            # from here on
-    with geglu.configure(backend="triton"):     # for a block
-        ...
-
-The kernels read the settings when they run (inside the ops), never in code that ``torch.compile`` traces, so a
-change needs no recompilation.
+:func:`configure` changes them for the process, or for a ``with`` block. The kernels read the settings when they run,
+never in code that ``torch.compile`` traces, so a change needs no recompilation.
 """
 
 import dataclasses
@@ -43,8 +25,8 @@ _PLAN_FORMS = ('"" or "auto" (the built-in choice), "<threads>,<unroll>" (thread
 
 
 def _switch(name: str, setting: Optional[str], default: bool, on: str, off: str) -> bool:
-    """An on/off environment variable: unset or empty is ``default``; 1/on/true/yes and 0/off/false/no (any case,
-    surrounding spaces ignored); anything else raises, naming the variable and what each value does."""
+    """An on/off variable: unset or empty is ``default``; 1/on/true/yes or 0/off/false/no (any case, spaces
+    stripped); anything else raises ValueError."""
     value = (setting or ("1" if default else "0")).strip().lower()
     if value in ("1", "on", "true", "yes"):
         return True
@@ -63,8 +45,7 @@ def parse_backend(name: str, what: str) -> str:
 
 
 def parse_cuda_plan(plan: str, what: str) -> str:
-    """``plan`` in its canonical form (``""`` for the built-in choice), or a ValueError naming ``what`` was given
-    and the forms a plan takes."""
+    """``plan`` in its canonical form (``""`` for the built-in choice), or a ValueError naming ``what``."""
     value = plan.strip().lower() if isinstance(plan, str) else None
     if value in ("", "auto"):
         return ""
@@ -131,20 +112,19 @@ class _Restore:
         return False
 
 
-# The compiled library's launch-plan setter, registered by ``runtime.direct`` when it loads the library's entry points
-# (None: no compiled library in this variant, or one without the setter): the modules that read the settings
-# import this one, and this one imports none of them (only the generated ``_ops``, for HAS_CUDA_LIB).
+# The compiled library's launch-plan setter, registered by ``runtime.direct`` (None: none in this variant).
 _set_plan = None
 
 
 def set_plan_hook(setter) -> None:
-    """Register the compiled library's launch-plan setter (``runtime.direct`` does at import; None for none)."""
+    """Register the compiled library's launch-plan setter (None for none)."""
     global _set_plan
     _set_plan = setter
 
 
 def _apply_plan(plan: str) -> None:
-    """Hand the launch plan to the compiled library (it applies to every later launch in the process)."""
+    """Hand the launch plan to the compiled library (for every later launch in the process); raises if it has no
+    setter (for a non-empty plan) or refuses the plan."""
     if _set_plan is None:
         if plan:
             raise RuntimeError(
@@ -159,8 +139,8 @@ def _apply_plan(plan: str) -> None:
 
 
 def configure(**changes) -> _Restore:
-    """Change settings (``backend``, ``fused_mlp``, ``cuda_plan``, ``prebuilt``); returns a
-    context manager that restores the previous ones."""
+    """Change settings (``backend``, ``fused_mlp``, ``cuda_plan``, ``prebuilt``); returns a context manager that
+    restores the previous ones. Validates every change (TypeError / ValueError / RuntimeError) before applying any."""
     global current
     unknown = set(changes) - {f.name for f in dataclasses.fields(Config)}
     if "fused_training" in unknown:
@@ -172,7 +152,6 @@ def configure(**changes) -> _Restore:
         changes["backend"] = parse_backend(changes["backend"], "geglu.configure(backend)")
         if changes["backend"] == "cuda":
             from .._ops import HAS_CUDA_LIB
-
             if not HAS_CUDA_LIB:
                 raise RuntimeError(
                     "geglu.configure(backend='cuda'): this build variant has no compiled CUDA library (it is a "

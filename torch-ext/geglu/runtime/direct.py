@@ -1,11 +1,6 @@
-"""Eager fast path into the compiled CUDA library: its plain C entry points (``geglu_c_fwd`` / ``geglu_c_bwd`` in
-geglu/geglu_kernels.cu) called through ctypes.
-
-At decode sizes a GeGLU call is host-bound: the kernel takes a few µs of GPU time, about what a boxed call through
-the dispatcher to the stable-ABI op costs the host. This path launches the same kernels with the same arguments,
-skipping the dispatcher. Callers validate the tensors first, exactly as for the ops (``runtime.checks``); the op
-stays the path under torch.compile, for tensor subclasses and wherever this module is unavailable (no compiled library in this
-variant, or a library without the entry points).
+"""Eager path into the compiled CUDA library's C entry points (``geglu_c_fwd`` / ``geglu_c_bwd``) through ctypes,
+skipping the dispatcher: the same kernels with the same arguments as the ops. ``AVAILABLE`` is False without a
+compiled library or its entry points. ``fwd`` / ``bwd`` expect tensors validated as for the ops (``runtime.checks``).
 """
 
 import ctypes
@@ -26,8 +21,8 @@ _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
 
 def _find_entry_points():
-    """The library that `_ops` loaded (same directory, already in the process: RTLD_NOLOAD never loads another
-    copy), if it exports the C entry points: (fwd, bwd, error string, plan setter or None)."""
+    """(fwd, bwd, error string, plan setter or None) of the already-loaded library (RTLD_NOLOAD) in the package
+    folder that exports the C entry points, or None."""
     if not HAS_CUDA_LIB or not hasattr(os, "RTLD_NOLOAD"):
         return None
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package's root folder
@@ -67,9 +62,8 @@ def _extent(t: torch.Tensor, rows: int, cols: int, stride: int):
 
 
 def _safe_output(out: torch.Tensor, rows: int, cols: int, inputs, others=()) -> bool:
-    """An output the kernels may write: rows that do not overlap each other, each input either exactly the output
-    (same data and row stride) or disjoint from it, and disjoint from the other outputs. Anything else goes to the
-    op, which names the problem."""
+    """Whether the kernels may write ``out``: its rows do not overlap, each input is exactly ``out`` (same data and
+    row stride) or disjoint from it, and ``others`` are disjoint from it."""
     s = _row_stride(out, rows, cols)
     if rows > 1 and s < cols:
         return False
@@ -94,7 +88,7 @@ def _raise(status: int, op: str) -> None:
 
 def fwd(out2: torch.Tensor, g2: torch.Tensor, u2: torch.Tensor, tanh: bool, fresh_out: bool) -> bool:
     """Launch the forward on 2-D row views; False (nothing launched) when the caller must use the op instead.
-    ``fresh_out``: out2 was allocated by the caller, so it cannot overlap the inputs."""
+    ``fresh_out``: out2 is newly allocated (no overlap check)."""
     rows, cols = g2.shape
     if not fresh_out and not _safe_output(out2, rows, cols, (g2, u2)):
         return False
@@ -125,10 +119,9 @@ def bwd(dg2: torch.Tensor, du2: torch.Tensor, dy2: torch.Tensor, g2: torch.Tenso
 
 
 # --- the lean eager path --------------------------------------------------------------------------------------------
-# A decode-sized call is all host time (one aten op costs the host several µs, most of it the launch), so the
-# common case gets the fewest Python steps that still check everything the ops check: plain contiguous CUDA tensors
-# of one supported dtype, shape and device, nothing to differentiate, no compile/trace/functorch, the compiled
-# library chosen for this size. Anything else returns None and takes the general path.
+# The common case in the fewest Python steps: plain contiguous CUDA tensors of one supported dtype, shape and device,
+# nothing to differentiate, no compile/trace/functorch, the compiled library chosen for this size. Anything else
+# returns None (the general path).
 
 _TANH = {"tanh": 1, "none": 0}
 _is_compiling = torch.compiler.is_compiling
@@ -164,9 +157,8 @@ def lean_fwd(gate, up, approximate):
 
 
 def lean_bwd(grad, gate, up, tanh, inplace):
-    """(d_gate, d_up) for autograd's call on contiguous CUDA tensors at library sizes (the forward validated gate
-    and up; autograd gives grad the output's shape and dtype), or None for the general path. ``inplace``: written
-    over gate and up (the kernel reads each element before it writes it)."""
+    """(d_gate, d_up) for autograd's call on contiguous CUDA tensors at library sizes (gate and up validated by the
+    forward), or None for the general path. ``inplace``: written over gate and up (None if they overlap)."""
     n = gate.numel()
     if (n == 0 or n >= _backend.CUDA_LIB_BELOW or _config.current.backend == "triton" or not gate.is_cuda
             or type(grad) is not Tensor or grad.dtype != gate.dtype or grad.shape != gate.shape

@@ -1,16 +1,9 @@
-"""GELU arithmetic shared by every Triton kernel of the package, with eager PyTorch's bits.
+"""GELU arithmetic for the Triton kernels, bit-identical to eager PyTorch's CUDA kernels on a GPU.
 
-Numerics follow eager PyTorch's CUDA kernels (ATen/native/cuda/ActivationGeluKernel.cu and the `mul` kernel) step
-by step: fp32 math in eager's operation order; eager's constants rounded to fp32 the way C++ rounds them. On a GPU
-the transcendental functions are CUDA's own `erff`, `tanhf` and `expf` (what eager calls) written out as the PTX
-that nvcc 13 emits for them, so the result does not depend on the libdevice version the installed Triton bundles.
-
-Under the Triton interpreter (TRITON_INTERPRET=1, CPU tensors) libdevice is not available; erf comes from Python's
-`math.erf` rounded to fp32 and tanh/exp from numpy, which may differ from CUDA's by a few fp32 ulp: the tests state
-and check that bound.
-
-Public names: ``INTERPRET``, the constants ``K_*``, and the ``@triton.jit`` helpers ``gelu``, ``gelu_grad`` and
-``round_to`` (fp32 to the storage dtype, rounding to nearest even as eager does).
+fp32 math in eager's operation order (ATen ActivationGeluKernel.cu), eager's constants rounded to fp32 as C++ rounds
+them; erf, tanh and exp are CUDA's ``erff`` / ``tanhf`` / ``expf`` as inline PTX, independent of Triton's libdevice.
+Under the interpreter (TRITON_INTERPRET=1) they are computed in fp64 and rounded to fp32, and may differ from CUDA's
+by a few fp32 ulp. ``round_to``: fp32 to the storage dtype, round to nearest even.
 """
 
 import os
@@ -18,7 +11,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -34,7 +26,6 @@ K_BETA_ERF = float(torch.tensor(_M_2_SQRTPI * _M_SQRT1_2 * 0.5, dtype=torch.floa
 K_3KAPPA = float(torch.tensor(3.0, dtype=torch.float32) * torch.tensor(K_KAPPA, dtype=torch.float32))
 
 if INTERPRET:
-
     # Computed in fp64 and rounded: (nearly) correctly rounded fp32 values.
     @triton.jit
     def _erf(x):
@@ -60,12 +51,8 @@ if INTERPRET:
         return x.to(T)
 
 else:
-    # CUDA's erff, tanhf and expf (libdevice, CUDA 13), as nvcc emits them for sm_90, in PTX: identical
-    # instructions to eager's kernels whatever libdevice the installed Triton bundles, and no FMA contraction
-    # across the call boundary that nvcc would not do.
-    # erff evaluates one of two polynomials by |x| < 1.00295 (0x3F8060FE); both are evaluated here and the result
-    # selected (the same instructions for each branch as libdevice, so the same bits): fewer instructions than
-    # selecting each coefficient, and the forward erf GELU is instruction-bound at full bandwidth.
+    # CUDA's erff, tanhf and expf (libdevice) as nvcc emits them, in PTX. erff's two polynomials (split at
+    # |x| < 0x3F8060FE) are both evaluated and the result selected: the same bits as libdevice's branch.
     _ERF_PTX = tl.constexpr("""{
     .reg .pred p;
     .reg .f32 a, s, rs, rb, na, e;
@@ -149,10 +136,8 @@ else:
         return x.to(T)  # round to nearest even, as eager
 
 
-# The arithmetic around the transcendental functions reproduces the machine code nvcc + ptxas make of eager's
-# C++ (checked in the SASS, `cuobjdump -sass`, not only the PTX: ptxas contracts some plain mul/add pairs that
-# nvcc left separate, e.g. tanh's `1 - t*t`): kernels launch with enable_fp_fusion=False, and every FMA in
-# eager's SASS is written as tl.fma, every product/sum it leaves alone stays separate.
+# Kernels launch with enable_fp_fusion=False: every FMA in eager's SASS is an explicit tl.fma, every product / sum it
+# leaves separate stays separate.
 
 
 @triton.jit
@@ -177,7 +162,7 @@ def gelu_grad(x, TANH: tl.constexpr, K_BETA_TANH: tl.constexpr, K_KAPPA: tl.cons
         t = _tanh(inner)
         left = 0.5 * x
         right = 1.0 + t
-        tanh_derivative = tl.fma(-t, t, 1.0)  # 1 - t*t: nvcc's PTX keeps mul + sub, ptxas fuses them (FFMA)
+        tanh_derivative = tl.fma(-t, t, 1.0)  # 1 - t*t, fused as ptxas fuses it
         inner_derivative = K_BETA_TANH * tl.fma(x_sq, K_3KAPPA, 1.0)  # kBeta * (1 + 3*kKappa * x_sq)
         right_derivative = left * tanh_derivative * inner_derivative
         g = tl.fma(right, 0.5, right_derivative)  # left_derivative (0.5 * right) + right_derivative

@@ -1,9 +1,5 @@
-"""Launching the package's Triton kernels: the prebuilt binary of this variant where there is one (``aot``),
-Triton's JIT otherwise, with the least host work per call.
-
-Public names: ``launch`` (a kernel launch by that path), ``prebuilt`` (the prebuilt binary alone, for launchers
-that pass tensor descriptors), ``device_guard``, ``sm_count``, ``next_pow2``, ``NULL_CONTEXT``.
-"""
+"""Launching the Triton kernels: the variant's prebuilt binary (``aot``) where there is one, else Triton's JIT.
+``prebuilt`` launches the prebuilt binary alone (for launchers that pass tensor descriptors)."""
 
 import torch
 import triton
@@ -16,8 +12,7 @@ _SM_COUNT = {}
 
 
 def sm_count(device: torch.device) -> int:
-    """The device's multiprocessor count (what the plans size grids by); 8 for CPU tensors under the interpreter, so
-    that persistent kernels loop over several tiles at test sizes."""
+    """The device's multiprocessor count (cached per device index); 8 for non-CUDA tensors (the interpreter)."""
     if device.type != "cuda":
         return 8
     idx = device.index if device.index is not None else torch.cuda.current_device()
@@ -31,15 +26,10 @@ def next_pow2(n: int) -> int:
 
 
 # --- launching -----------------------------------------------------------------------------------------------------
-# A launch runs the kernel this variant ships prebuilt for the device's architecture where there is one (``aot``: no
-# compilation on the user's machine), else Triton's JIT. JITFunction's launch path binds and specialises every
-# argument in Python on every call (tens of µs of host time, more than the kernel at small sizes): the first JIT
-# launch for a specialisation goes through Triton (which compiles and caches the kernel), later ones call that
-# compiled kernel's launcher directly. The key is at least as fine as Triton's specialisation (pointer dtype and
-# 16-byte alignment; integer divisibility by 16, == 1 and width), plus the constexprs, warps and device. Any
-# surprise from a Triton version (a missing attribute, another launcher signature) turns the direct JIT path off
-# for the process and leaves Triton's own launch.
-
+# The first JIT launch of a specialisation goes through Triton; later ones call the compiled kernel's launcher
+# directly. The cache key is at least as fine as Triton's specialisation (pointer dtype and 16-byte alignment; integer
+# divisibility by 16, == 1 and width), plus constexprs, warps, device and the prebuilt setting. A CompiledKernel
+# without the expected attributes turns the direct JIT path off for the process.
 _DIRECT_LAUNCH = {}
 _direct_ok = not INTERPRET
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -56,7 +46,7 @@ def _spec(a):
 
 
 def _hook_active(hook) -> bool:
-    # Triton >= 3.5 keeps a HookChain (never None; empty unless a profiler added a hook); older ones None or a function
+    # a HookChain (active when it has calls), or None / a function
     if hook is None:
         return False
     calls = getattr(hook, "calls", None)
@@ -78,8 +68,8 @@ def clear_caches() -> None:
 
 
 def prebuilt(fn, grid, args, consts, num_warps: int, num_stages: int, device_index: int) -> bool:
-    """Launch ``fn``'s prebuilt kernel for these arguments on the current stream; False when this variant has none
-    for the device (the caller then uses Triton's JIT). The lookup is remembered per launch key (as `launch`'s)."""
+    """Launch ``fn``'s prebuilt kernel on the current stream; False (nothing launched) when this variant has none for
+    these arguments on the device. The lookup is cached per launch key."""
     if INTERPRET:
         return False
     key = (fn, num_warps, num_stages, device_index, consts, _config.current.prebuilt) + tuple(_spec(a) for a in args)
@@ -95,8 +85,8 @@ def prebuilt(fn, grid, args, consts, num_warps: int, num_stages: int, device_ind
 
 
 def launch(fn, grid, args, consts, num_warps: int, device: torch.device) -> None:
-    """fn[grid](*args, *consts, num_warps=num_warps, enable_fp_fusion=False), the launch path described above.
-    ``args``: the kernel's runtime arguments in order; ``consts``: its constexprs in order, after them."""
+    """``fn[grid](*args, *consts, num_warps=num_warps, enable_fp_fusion=False)``: the prebuilt kernel (3 stages) where
+    there is one, else Triton's JIT. ``args``: the runtime arguments in order; ``consts``: the constexprs after them."""
     global _direct_ok
     key = None
     if not INTERPRET:
@@ -127,8 +117,7 @@ def launch(fn, grid, args, consts, num_warps: int, device: torch.device) -> None
 
 
 def device_guard(t: torch.Tensor):
-    """Triton launches on the current device: switch only when the tensors live elsewhere (the switch costs
-    more than a decode-sized kernel)."""
+    """A context making ``t``'s CUDA device current, or ``NULL_CONTEXT`` when it already is (or ``t`` is not CUDA)."""
     if t.device.type == "cuda" and t.device.index != torch.cuda.current_device():
         return torch.cuda.device(t.device)
     return NULL_CONTEXT
@@ -154,9 +143,9 @@ def pow2_up_to(n: int):
 
 
 def prebuild(fn, args, consts, num_warps: int, num_stages: int = 3) -> dict:
-    """One entry of a kernel module's ``prebuild_launches()``: the kernel, its runtime arguments in order as
-    ``(name, signature type, hinted)`` (hinted: 16-byte aligned pointer or integer divisible by 16, as Triton's JIT
-    would specialise an aligned launch), its constexprs in order, warps and stages."""
+    """One entry of a kernel module's ``prebuild_launches()``: the kernel's name, its runtime arguments in order as
+    ``(name, signature type, hinted)`` (hinted: 16-byte aligned pointer or integer divisible by 16), its constexprs in
+    order, warps and stages."""
     return dict(fn=fn.__name__, args=list(args), consts=list(consts), num_warps=num_warps, num_stages=num_stages)
 
 

@@ -1,19 +1,10 @@
-"""The package's one way to define a Python operator (:func:`op`), and :func:`fast_apply` for its autograd
-Functions.
+"""Operator definition (:func:`op`) and :func:`fast_apply` for autograd Functions.
 
-``torch.library.custom_op`` wraps each call in two Python layers: an autograd kernel that runs even without a
-gradient (it computes the dispatch key set and redispatches) and a backend wrapper that checks, after every call,
-that no output aliases an input: a few µs a call more than an op defined with ``Library.define`` /
-``Library.impl`` (benchmarks/results/development-notes.md gives the measurement). An Inductor graph calls the MLP
-op once per layer, so where a compiled model is host-bound that cost is the difference to the model compiled
-without kernels.
-
-:func:`op` gives the same contract as ``custom_op`` where it matters: the schema is inferred from the type hints
-(``torch.library.infer_schema``), the fake implementation and the autograd formula are registered with
-``torch.library.register_fake`` / ``register_autograd``, and ``torch.library.opcheck`` tests the result. What it
-drops is the aliasing check: the implementations return new tensors (``opcheck``'s ``test_schema`` checks that).
-An op without an autograd formula has PyTorch's C++ autograd fallback: call it without a gradient. Every call
-site passes ``add_op_namespace_prefix("name")`` itself, the form kernel-builder's torch-ops-check looks for.
+:func:`op` defines an operator with ``Library.define`` / ``Library.impl``: the schema is inferred from the type hints
+(``torch.library.infer_schema``); fake implementation and autograd formula register through ``register_fake`` /
+``register_autograd``. Unlike ``torch.library.custom_op`` there is no per-call aliasing check: implementations must
+return new tensors (``opcheck``'s ``test_schema`` checks that). An op without an autograd formula uses PyTorch's C++
+autograd fallback: call it without a gradient. Call sites pass ``add_op_namespace_prefix("name")`` as the qualname.
 """
 
 from typing import Callable, Dict, Sequence
@@ -43,8 +34,7 @@ class Op:
 
 
 def op(qualname: str, mutates_args: Sequence[str] = ()) -> Callable[[Callable], Op]:
-    """Decorator: define ``qualname`` (``add_op_namespace_prefix("name")``) with the function as its implementation
-    for every device (``CompositeExplicitAutograd``)."""
+    """Decorator: define ``qualname`` with the function as its ``CompositeExplicitAutograd`` implementation."""
 
     def define(fn: Callable) -> Op:
         ns, short = qualname.split("::")
@@ -54,15 +44,13 @@ def op(qualname: str, mutates_args: Sequence[str] = ()) -> Callable[[Callable], 
         lib.define(short + torch.library.infer_schema(fn, mutates_args=tuple(mutates_args)))
         lib.impl(short, fn, "CompositeExplicitAutograd")
         return Op(qualname, getattr(getattr(torch.ops, ns), short).default, lib)
-
     return define
 
 
 def fast_apply(function: type) -> Callable:
-    """``function.apply`` (a ``torch.autograd.Function``) without its Python wrapper, which binds default arguments
-    and unwraps functorch's dead wrappers: several µs a call that a decode-sized eager step pays. For callers that
-    pass every argument positionally, outside functorch transforms (``runtime.backend.call_mode`` is not OP). It is
-    the C++ ``apply`` that ``Function.apply`` ends in; tests/kernel/test_library.py fails if PyTorch moves it."""
+    """The C++ ``apply`` of a ``torch.autograd.Function``, skipping the Python wrapper (no default-argument binding,
+    no functorch unwrapping). Callers pass every argument positionally, outside functorch transforms
+    (``runtime.backend.call_mode`` is not OP)."""
     return super(torch.autograd.Function, function).apply
 
 
