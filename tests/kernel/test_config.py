@@ -98,3 +98,20 @@ def test_environment_is_read_at_import(build_dir, tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["triton", "False", "False", "64,p2"]
     assert "GEGLU_FUSED_TRAINING is set, but the fused_training setting" in out.stderr, out.stderr
+
+
+def test_leaving_a_configure_block_restores_the_settings_even_if_the_plan_setter_raises(geglu, monkeypatch):
+    cfg = importlib.import_module(geglu.__name__ + ".runtime.config")
+    before = cfg.current
+    calls = []
+
+    def setter(threads, unroll, stages):
+        calls.append((threads, unroll, stages))
+        return 0 if len(calls) == 1 else 1  # takes the block's plan, refuses the way back
+
+    monkeypatch.setattr(cfg, "_set_plan", setter)
+    with pytest.raises(ValueError, match="refused the plan"):
+        with cfg.configure(cuda_plan="128,2", fused_mlp=not before.fused_mlp):
+            assert cfg.current.cuda_plan == "128,2"
+    assert calls == [(128, 2, 0), cfg.plan_args(before.cuda_plan)]
+    assert cfg.current == before

@@ -172,7 +172,8 @@ def inv_d(D: int) -> float:
     r = _F32.get(key)
     if r is None:
         r = (torch.ones((), dtype=torch.float32) / D).item()
-        _F32[key] = r
+        if len(_F32) < 4096:
+            _F32[key] = r
     return r
 
 

@@ -152,8 +152,8 @@ _refused = {}  # device index -> the driver's error refusing a prebuilt binary
 
 
 def clear_caches() -> None:
-    """Forget the indexes read, the modules loaded and the devices' architectures."""
-    for cache in (_indexes, _arch_of, _loaded, _launchers):
+    """Forget the indexes read, the modules loaded, the devices' architectures and the drivers' refusals."""
+    for cache in (_indexes, _arch_of, _loaded, _launchers, _refused):
         cache.clear()
 
 

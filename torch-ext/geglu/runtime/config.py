@@ -106,9 +106,9 @@ class _Restore:
 
     def __exit__(self, *exc) -> bool:
         global current
-        if current.cuda_plan != self._previous.cuda_plan:
-            _apply_plan(self._previous.cuda_plan)
-        current = self._previous
+        plan, current = current.cuda_plan, self._previous  # restored first, even if the plan's setter raises
+        if plan != current.cuda_plan:
+            _apply_plan(current.cuda_plan)
         return False
 
 
