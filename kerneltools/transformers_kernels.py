@@ -61,6 +61,7 @@ SUPPORTED, SUPPORTED_APPROX, NOT_SUPPORTED = _src.SUPPORTED, _src.SUPPORTED_APPR
 HostClass = _src.HostClass
 GeGLURegistration = _src.GeGLURegistration
 GEGLU_CLASSES, NORM_CLASSES, ROPE_CLASSES = _src.GEGLU_CLASSES, _src.NORM_CLASSES, _src.ROPE_CLASSES
+COMPILE_LAYERS = _src.COMPILE_LAYERS
 ExpertsGate, experts_gate = _src.ExpertsGate, _src.experts_gate
 ExpertsGate.__module__ = __name__  # models pickle it as kerneltools.transformers_kernels.ExpertsGate
 is_kernel_gelu, classes_markdown = _src.is_kernel_gelu, _src.classes_markdown
@@ -95,4 +96,4 @@ def geglu_kernel_config(model: Any, repo_id: str = DEFAULT_REPO_ID, *, version: 
 
 __all__ = ["register_geglu_kernels", "geglu_kernel_config", "GEGLU_CLASSES", "NORM_CLASSES", "ROPE_CLASSES",
            "HostClass", "GeGLURegistration", "is_kernel_gelu", "classes_markdown", "experts_gate", "ExpertsGate",
-           "DEFAULT_REPO_ID", "KEY_PREFIX"]
+           "DEFAULT_REPO_ID", "KEY_PREFIX", "COMPILE_LAYERS"]

@@ -53,7 +53,7 @@ if importlib.util.find_spec("transformers") is None:
     pytest.skip("transformers is not installed", allow_module_level=True)
 
 from kerneltools.transformers_kernels import (  # noqa: E402
-    GEGLU_CLASSES, KEY_PREFIX, NORM_CLASSES, NOT_SUPPORTED, ROPE_CLASSES, classes_markdown)
+    COMPILE_LAYERS, GEGLU_CLASSES, KEY_PREFIX, NORM_CLASSES, NOT_SUPPORTED, ROPE_CLASSES, classes_markdown)
 
 REPO_ID = GEGLU_REPO
 RTOL = 1e-5
@@ -167,12 +167,19 @@ def test_every_supported_class_is_registered_and_has_a_layer(reports):
     assert reports["published"]["branch"] == "v1" and "torch-cpu" in reports["published"]["variants"]
 
 
-def test_mapping_covers_every_mode_on_cuda_and_cpu_with_one_repository_per_layer(reports):
+def test_mapping_covers_the_eager_modes_and_the_compile_modes_layers_on_cuda_and_cpu(reports):
+    """Every layer for INFERENCE and TRAINING; under TORCH_COMPILE only the layers whose compiled graph is not the
+    host's (the MLP's fused op in inference, the rotary op), one repository per layer."""
     mapping = reports["full"]["mapping"]
     layers = {h.layer for h in REGISTERED_ROWS} | {h.gate_layer for h in SUPPORTED_ROWS if h.gate_layer}
     assert set(mapping["keys"]) == {KEY_PREFIX + layer for layer in layers}
-    modes = {"Mode.INFERENCE", "Mode.TRAINING", "Mode.INFERENCE|TORCH_COMPILE", "Mode.TRAINING|TORCH_COMPILE"}
+    assert COMPILE_LAYERS["training"] == {"RotaryEmbedding", "LayerTypeRotaryEmbedding"}
+    assert COMPILE_LAYERS["inference"] == COMPILE_LAYERS["training"] | {"GeGLUMLP", "GeGLUSelfConditioning"}
     for key, devices in mapping["keys"].items():
+        layer = key[len(KEY_PREFIX):]
+        modes = {"Mode.INFERENCE", "Mode.TRAINING"}
+        modes |= {"Mode.INFERENCE|TORCH_COMPILE"} if layer in COMPILE_LAYERS["inference"] else set()
+        modes |= {"Mode.TRAINING|TORCH_COMPILE"} if layer in COMPILE_LAYERS["training"] else set()
         assert set(devices) == {"cuda", "cpu"}, key
         for device, by_mode in devices.items():
             assert set(by_mode) == modes, (key, device)

@@ -7,7 +7,7 @@ the MLP layer may use its fused kernels.
 
 from . import _sharding, layers  # _sharding: DTensor sharding rules for the ops, where torch.distributed exists
 from ._ops import HAS_CUDA_LIB, ops
-from ._transformers import register_transformers, transformers_kernel_config
+from ._transformers import COMPILE_LAYERS, register_transformers, transformers_kernel_config
 from .functional import geglu, geglu_backward, geglu_packed, gelu_and_mul, gelu_tanh_and_mul
 from .rmsnorm.ops import rms_norm
 from .runtime import aot as _aot
@@ -29,5 +29,5 @@ if HAS_CUDA_LIB:  # load the Triton kernel modules and the prebuilt-kernel index
 __all__ = [
     "geglu", "geglu_packed", "geglu_backward", "gelu_and_mul", "gelu_tanh_and_mul", "configure", "get_config",
     "Config", "rms_norm", "prebuilt_kernels", "set_backend", "get_backend", "HAS_CUDA_LIB", "ops", "layers",
-    "register_transformers", "transformers_kernel_config",
+    "register_transformers", "transformers_kernel_config", "COMPILE_LAYERS",
 ]

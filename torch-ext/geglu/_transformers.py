@@ -130,6 +130,16 @@ def _attach_experts_gate(cls: type, key: str) -> None:
     cls._apply_gate = _apply_gate_through(key)
 
 
+# The layers mapped under TORCH_COMPILE, by kind of step: those whose compiled graph is not the host's. GeGLUMLP
+# (and the self-conditioning block built on it) calls the fused MLP op in inference from its traced rule's size on;
+# the rotary layers call the cos/sin op from ROPE_OP_MIN_ROWS positions. Every other layer traces the host's math
+# there (and GeGLUMLP does in compiled training), so its host module keeps its own forward.
+COMPILE_LAYERS = {
+    "inference": frozenset({"GeGLUMLP", "GeGLUSelfConditioning", "RotaryEmbedding", "LayerTypeRotaryEmbedding"}),
+    "training": frozenset({"RotaryEmbedding", "LayerTypeRotaryEmbedding"}),
+}
+
+
 @dataclass
 class GeGLURegistration:
     """What :func:`register_transformers` did."""
@@ -168,8 +178,11 @@ def register_transformers(*, devices: Sequence[str] = ("cuda", "cpu"), register:
                           rope: bool = True, repo_id: str | None = None, version: int | None = None,
                           revision: str | None = None, lockfile: str | Path | None = None,
                           trust_remote_code: bool | list[str] = False) -> GeGLURegistration:
-    """Make ``kernels.kernelize`` replace the forward of every supported class with this kernel's layers, in every
-    mode (INFERENCE, TRAINING, each with or without TORCH_COMPILE); calling again replaces each key's entries.
+    """Make ``kernels.kernelize`` replace the forward of every supported class with this kernel's layers for
+    ``Mode.INFERENCE`` and ``Mode.TRAINING``; calling again replaces each key's entries. With ``TORCH_COMPILE`` only
+    the layers whose compiled graph differs from the host's are mapped (:data:`COMPILE_LAYERS`): every other module
+    keeps its own forward, which traces to the same graph, so kernelize binds nothing Dynamo must guard (and
+    ``kernelize(..., use_fallback=False)`` raises for those keys in a compile mode).
 
     ``devices``: device types to map. ``register``: merge into kernels' global mapping (False: only return it).
     ``norms`` / ``rope``: also map :data:`NORM_CLASSES` / :data:`ROPE_CLASSES`. ``repo_id``: map a Hub repository's
@@ -180,13 +193,14 @@ def register_transformers(*, devices: Sequence[str] = ("cuda", "cpu"), register:
     _own_origin()  # record it before kernelize reloads this folder as a local kernel
     repository = _repository_factory(repo_id, version=version, revision=revision, lockfile=lockfile,
                                      trust_remote_code=trust_remote_code)
-    modes = (Mode.INFERENCE, Mode.TRAINING, Mode.INFERENCE | Mode.TORCH_COMPILE, Mode.TRAINING | Mode.TORCH_COMPILE)
+    compiled = {Mode.INFERENCE | Mode.TORCH_COMPILE: "inference", Mode.TRAINING | Mode.TORCH_COMPILE: "training"}
     reg = GeGLURegistration(mapping={})
     repos: dict[str, Any] = {}  # one repository per layer
 
     def map_key(key: str, layer: str) -> None:
         if layer not in repos:
             repos[layer] = repository(layer)
+        modes = [Mode.INFERENCE, Mode.TRAINING] + [m for m, part in compiled.items() if layer in COMPILE_LAYERS[part]]
         reg.mapping[key] = {device: {mode: repos[layer] for mode in modes} for device in devices}
 
     hosts = [(h, _gelu_condition(h.act_attr) if h.act_attr else None) for h in GEGLU_CLASSES]
