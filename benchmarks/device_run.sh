@@ -20,7 +20,8 @@
 #   model       the whole-model benchmark (MODEL_ARGS: extra options, e.g. "--model all --rounds 3")
 #   serve       batch-1 serving (prefill by prompt length, generate) of the Gemma 3 4B shape in the four modes,
 #               torch.compile with its default dynamic shapes, GPU time beside wall (SERVE_ARGS: extra options)
-#   hostcost    where a compiled kernelized forward's host time goes at a batch-1 prompt (benchmarks/host_cost_probe.py)
+#   hostcost    where a compiled kernelized forward's host time goes at a batch-1 prompt (benchmarks/host_cost_probe.py;
+#               HOSTCOST_ARGS: extra options, e.g. "--length 256,2048")
 #   pointwise   the pointwise kernels against eager, torch.compile and Liger, with the autograd rows
 #   mlp         the whole MLP layer
 #   moe         the Gemma 4 MoE experts benchmark
@@ -76,7 +77,8 @@ for s in "$@"; do
         --no-mlp --out "$OUT/pointwise" ;;
     serve) step serve 560 python3 -m kerneltools bench --build-dir build --out "$OUT/serve" --model gemma3-4b \
         --parts serve --modes eager,kernelized,compile,kernelized+compile --profile ${SERVE_ARGS:-} ;;
-    hostcost) step hostcost 300 python3 benchmarks/host_cost_probe.py --build-dir build --out "$OUT/hostcost" ;;
+    hostcost) step hostcost 300 python3 benchmarks/host_cost_probe.py --build-dir build --out "$OUT/hostcost" \
+        ${HOSTCOST_ARGS:-} ;;
     mlp) step mlp 300 python3 -m kerneltools bench --build-dir build --mlp-only --out "$OUT/mlp" ;;
     moe) step moe 200 python3 -m kerneltools.bench.moe --build-dir build --out "$OUT" ${MOE_ARGS:-} ;;
     profile) step profile 240 python3 -m kerneltools profile --build-dir build --out "$OUT" ;;

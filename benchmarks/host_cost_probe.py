@@ -9,7 +9,7 @@ the kernelized compiled model, both made dynamic as a server's are (two prompt l
   rows beside Inductor's kernels';
 - cProfile of repeated calls: the Python functions with the most own time, i.e. what each op call runs on the host.
 
-python3 benchmarks/host_cost_probe.py --build-dir build [--layers 16] [--length 256] [--out DIR]
+python3 benchmarks/host_cost_probe.py --build-dir build [--layers 16] [--length 256[,2048,...]] [--out DIR]
 (a GPU; on CPU it runs with the tiny config, for a smoke test: the figures then mean nothing)
 """
 
@@ -76,16 +76,40 @@ def _python_profile(fn, calls: int) -> list:
     return rows[:40]
 
 
+def _probe(s, modes, length: int, calls: int, device: str) -> dict:
+    """Both compiled modes at one prompt length: wall time, one profiled call, cProfile of repeated calls."""
+    from kerneltools.bench.model.rounds import _as_mode, _kernelize_for, make_dynamic, make_part
+
+    make_dynamic(s, modes, (length // 2 + 1, length // 2 + 2))
+    fn, _, _ = make_part(s, "serve", length=length)
+    result = dict(length=length, modes={})
+    for mode in modes:
+        _kernelize_for(s, mode, False)
+        with _as_mode(s, mode, "serve") as m:
+            call = lambda: fn(m, True)  # noqa: E731
+            r = dict(wall_us=round(_wall_us(call, device, calls), 1))
+            r.update(_profile(call, device))
+            r["python"] = _python_profile(call, max(calls // 5, 3))
+        result["modes"][mode] = r
+        print(f"{length} tokens, {mode}: {r['wall_us']} us per forward, GPU {r['gpu_ms']} ms, "
+              f"host self CPU {r['cpu_self_us_total']} us")
+        for k, n, us in r["cpu_by_op"][:15]:
+            print(f"    {us:9.1f} us  {n:5d} calls  {k}")
+        print("  python, own time per forward:")
+        for name, nc, tt, ct in r["python"][:20]:
+            print(f"    {tt:9.2f} us own {ct:9.2f} us cum  {nc:6d}  {name}")
+    return result
+
+
 def main(argv=None) -> int:
     from kerneltools.bench.model.models import MODELS, build_models
-    from kerneltools.bench.model.rounds import _as_mode, _kernelize_for, make_dynamic, make_part
     from kerneltools.transformers_kernels import DEFAULT_REPO_ID
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--build-dir", type=Path, required=True)
     p.add_argument("--model", default="gemma3-4b", choices=sorted(MODELS))
     p.add_argument("--layers", type=int, default=None)
-    p.add_argument("--length", type=int, default=256)
+    p.add_argument("--length", default="256", help="prompt length(s), comma-separated (default 256)")
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
@@ -96,28 +120,14 @@ def main(argv=None) -> int:
     s = build_models(MODELS[args.model], args.build_dir, device, dtype, tiny, "inductor", DEFAULT_REPO_ID,
                      layers=args.layers)
     modes = ["compile", "kernelized+compile"]
-    length = min(args.length, 12) if tiny else args.length
-    make_dynamic(s, modes, (length // 2 + 1, length // 2 + 2))
-    fn, _, _ = make_part(s, "serve", length=length)
-    result = dict(model=args.model, layers=s.models["eager"].config.num_hidden_layers, length=length, device=device,
-                  torch=torch.__version__, modes={})
-    for mode in modes:
-        _kernelize_for(s, mode, False)
-        with _as_mode(s, mode, "serve") as m:
-            call = lambda: fn(m, True)  # noqa: E731
-            r = dict(wall_us=round(_wall_us(call, device, args.calls), 1))
-            r.update(_profile(call, device))
-            r["python"] = _python_profile(call, max(args.calls // 5, 3))
-        result["modes"][mode] = r
-        print(f"{mode}: {r['wall_us']} us per forward, GPU {r['gpu_ms']} ms, host self CPU {r['cpu_self_us_total']} us")
-        for k, n, us in r["cpu_by_op"][:15]:
-            print(f"    {us:9.1f} us  {n:5d} calls  {k}")
-        print("  python, own time per forward:")
-        for name, nc, tt, ct in r["python"][:20]:
-            print(f"    {tt:9.2f} us own {ct:9.2f} us cum  {nc:6d}  {name}")
+    results = []
+    for length in [int(n) for n in args.length.split(",")]:
+        results.append(_probe(s, modes, min(length, 12) if tiny else length, args.calls, device))
+        results[-1].update(model=args.model, layers=s.models["eager"].config.num_hidden_layers, device=device,
+                           torch=torch.__version__)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "host-cost.json").write_text(json.dumps(result, indent=1))
+        (args.out / "host-cost.json").write_text(json.dumps(results, indent=1))
     return 0
 
 
