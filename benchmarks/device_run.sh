@@ -17,7 +17,8 @@
 #   callcost    each op's host cost per call: build-before/'s compiled variant (another commit, built the same way)
 #               against build/'s, with an A/A copy (benchmarks/call_cost.py --device cuda)
 #   tools       the GPU tests of the tooling (transformers models, the kernels Benchmark workloads)
-#   model       the whole-model benchmark (MODEL_ARGS: extra options, e.g. "--model all --rounds 3")
+#   model       the whole-model benchmark (MODEL_ARGS: extra options, e.g. "--model all --rounds 3"; MODEL_TIMEOUT:
+#               its limit in seconds, default 560; SERVE_TIMEOUT likewise for serve)
 #   serve       batch-1 serving (prefill by prompt length, generate) of the Gemma 3 4B shape in the four modes,
 #               torch.compile with its default dynamic shapes, GPU time beside wall (SERVE_ARGS: extra options)
 #   hostcost    where a compiled kernelized forward's host time goes at a batch-1 prompt (benchmarks/host_cost_probe.py;
@@ -72,10 +73,10 @@ for s in "$@"; do
         --build before-copy="$(ls -d build-before/torch-stable-abi*/ | head -1)" ;;
     tools) step tools 400 python3 -m pytest tests/tools/test_transformers_kernelize.py \
         tests/tools/test_kernels_benchmark.py -q -p no:cacheprovider ;;
-    model) step model 560 python3 -m kerneltools bench --build-dir build --out "$OUT/model" ${MODEL_ARGS:---model all} ;;
+    model) step model "${MODEL_TIMEOUT:-560}" python3 -m kerneltools bench --build-dir build --out "$OUT/model" ${MODEL_ARGS:---model all} ;;
     pointwise) step pointwise 560 python3 -m kerneltools bench --build-dir build --dtype bfloat16 --no-max-autotune \
         --no-mlp --out "$OUT/pointwise" ;;
-    serve) step serve 560 python3 -m kerneltools bench --build-dir build --out "$OUT/serve" --model gemma3-4b \
+    serve) step serve "${SERVE_TIMEOUT:-560}" python3 -m kerneltools bench --build-dir build --out "$OUT/serve" --model gemma3-4b \
         --parts serve --modes eager,kernelized,compile,kernelized+compile --profile ${SERVE_ARGS:-} ;;
     hostcost) step hostcost 300 python3 benchmarks/host_cost_probe.py --build-dir build --out "$OUT/hostcost" \
         ${HOSTCOST_ARGS:-} ;;
