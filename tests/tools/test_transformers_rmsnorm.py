@@ -77,10 +77,13 @@ def test_the_table_is_every_class_with_a_layers_forward():
 
 
 def test_registration_maps_the_norms_unless_told_not_to():
+    from kernels import Mode
+
     reg = register_geglu_kernels(register=False)
-    for layer in FORMS:
+    for layer in FORMS:  # the eager modes only: under torch.compile a norm keeps the host's forward (COMPILE_LAYERS)
         key = KEY_PREFIX + layer
-        assert set(reg.mapping[key]) == {"cuda", "cpu"} and len(reg.mapping[key]["cpu"]) == 4
+        assert set(reg.mapping[key]) == {"cuda", "cpu"}
+        assert set(reg.mapping[key]["cpu"]) == {Mode.INFERENCE, Mode.TRAINING}, reg.mapping[key]["cpu"]
     assert {f"{h.module}.{h.name}" for h in SUPPORTED} <= set(reg.classes)
     assert all(h.load().kernel_layer_name == KEY_PREFIX + h.layer for h in SUPPORTED)
     off = register_geglu_kernels(register=False, norms=False)
