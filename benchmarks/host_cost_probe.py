@@ -120,14 +120,13 @@ def main(argv=None) -> int:
     s = build_models(MODELS[args.model], args.build_dir, device, dtype, tiny, "inductor", DEFAULT_REPO_ID,
                      layers=args.layers)
     modes = ["compile", "kernelized+compile"]
-    results = []
+    result = dict(model=args.model, layers=s.models["eager"].config.num_hidden_layers, device=device,
+                  torch=torch.__version__, lengths=[])
     for length in [int(n) for n in args.length.split(",")]:
-        results.append(_probe(s, modes, min(length, 12) if tiny else length, args.calls, device))
-        results[-1].update(model=args.model, layers=s.models["eager"].config.num_hidden_layers, device=device,
-                           torch=torch.__version__)
+        result["lengths"].append(_probe(s, modes, min(length, 12) if tiny else length, args.calls, device))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "host-cost.json").write_text(json.dumps(results, indent=1))
+        (args.out / "host-cost.json").write_text(json.dumps(result, indent=1))
     return 0
 
 
