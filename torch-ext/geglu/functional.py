@@ -1,8 +1,9 @@
 """The public GeGLU functions. Each validates its input and works under torch.compile(fullgraph=True), in eager
 mode and with autograd, on CUDA (compiled library or Triton) and CPU.
 
-Traced calls and tensor subclasses run the torch.library op; plain eager calls run the implementation directly, or
-through an ``autograd.Function`` when a gradient is recorded (``runtime.backend.call_mode`` decides)."""
+Two routes per op: traced calls and tensor subclasses run the torch.library op; plain eager calls run the op's
+implementation directly, through the op's ``autograd.Function`` when a gradient is recorded
+(``runtime.backend.call_mode`` decides)."""
 
 from typing import Optional
 
@@ -13,7 +14,6 @@ from torch import Tensor
 from .runtime import backend as _backend
 from .runtime import config as _config
 from .pointwise import ops as _impl
-from .runtime import direct as _direct
 from ._activations import APPROXIMATIONS, gelu_approximation
 from .runtime.checks import check_packed, check_split
 from ._ops import ops
@@ -21,7 +21,6 @@ from ._ops import ops
 _grad_enabled = torch.is_grad_enabled
 _mode = _backend.call_mode
 _OP, _PLAIN, _AUTOGRAD = _backend.OP, _backend.PLAIN, _backend.AUTOGRAD
-_lean_fwd = _direct.lean_fwd if _direct.AVAILABLE else None
 _EAGER_BELOW = _backend.AUTOGRAD_EAGER_BELOW
 
 
@@ -44,21 +43,17 @@ def geglu(gate: Tensor, up: Tensor, approximate: str = "none", *, out: Optional[
     else reads them afterwards).
     """
     if out is None:
-        if (gate.requires_grad and type(gate) is Tensor and gate.is_cuda and up.shape == gate.shape
+        if (gate.requires_grad and type(gate) is Tensor and gate.is_cuda and gate.dim() and up.shape == gate.shape
                 and up.dtype == gate.dtype and gate.numel() < _EAGER_BELOW and _config.current.backend == "auto"
                 and approximate in APPROXIMATIONS and _grad_enabled() and not _backend.traced()):
             # small CUDA call with a gradient (_backend.AUTOGRAD_EAGER_BELOW): eager's own ops
             return F.gelu(gate, approximate=approximate) * up
-        if _lean_fwd is not None:  # C entry for the common plain call; None: take the general path
-            res = _lean_fwd(gate, up, approximate)
-            if res is not None:
-                return res
         mode = _mode(gate, up)
+        if mode == _PLAIN:
+            return _impl.geglu_impl(gate, up, approximate)
         if mode == _OP:
             return ops.geglu.default(gate, up, approximate, inplace_backward)
         check_split(gate, up, approximate)
-        if mode == _PLAIN:
-            return _impl.new_output(gate, up, approximate)
         if gate.is_cuda and _backend.eager_autograd(gate.numel()):
             return F.gelu(gate, approximate=approximate) * up
         return _impl.apply_geglu(gate, up, approximate, inplace_backward)

@@ -12,7 +12,6 @@ from torch import Tensor
 from ..pointwise import ops as _pw
 from ..runtime import backend as _backend
 from ..runtime import config as _config
-from ..runtime import direct as _direct
 from ..runtime import library as _library
 from .._ops import add_op_namespace_prefix
 from ..runtime.checks import check_approximate, is_tanh
@@ -39,17 +38,9 @@ def fused_kernel_applies(x2: Tensor) -> bool:
     return dev == "cuda" or kt.INTERPRET
 
 
-_lean_fwd = _direct.lean_fwd if _direct.AVAILABLE else None
-
-
 def regular(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, approximate: str) -> Tensor:
-    """The bit-exact path: eager's GEMMs around the pointwise kernel (via ``lean_fwd`` where it takes the call)."""
-    g, u = F.linear(x, w_gate), F.linear(x, w_up)
-    h = _lean_fwd(g, u, approximate) if _lean_fwd is not None else None
-    if h is None:
-        h = torch.empty(g.shape, dtype=g.dtype, device=g.device)
-        _pw.forward_into(h, g, u, approximate, True)
-    return F.linear(h, w_down)
+    """The bit-exact path: eager's GEMMs around the pointwise op's implementation."""
+    return F.linear(_pw.geglu_impl(F.linear(x, w_gate), F.linear(x, w_up), approximate), w_down)
 
 
 def inference(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, approximate: str) -> Tensor:

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from ..runtime import backend as _backend
+from ..runtime import config as _config
 from ..runtime import direct as _direct
 from ..runtime.checks import check_backward, check_packed, check_split, is_tanh
 from ..runtime.library import fast_apply, op
@@ -32,6 +33,21 @@ def _rows(t: Tensor, n: int) -> Tensor:
 _CUDA_FWD = ops.geglu_fwd.default if _backend.HAS_CUDA_LIB else None
 _CUDA_BWD = ops.geglu_bwd.default if _backend.HAS_CUDA_LIB else None
 _DIRECT = _direct.AVAILABLE
+_LIB_BELOW, _TANH, _LIB_DTYPES = _backend.CUDA_LIB_BELOW, {"none": False, "tanh": True}, _direct.DTYPES
+
+
+def _flat_lib(t: Tensor, approximate: str, *others: Tensor) -> bool:
+    """Whether a call on ``t`` and ``others`` runs the compiled library on the flat elements: contiguous CUDA tensors
+    of ``t``'s dtype, shape and device, at least one dim, 0 < numel < ``CUDA_LIB_BELOW``, a valid ``approximate``, the C entry points
+    loaded and the backend not 'triton'. Such a call needs no other check."""
+    if not (_DIRECT and t.is_cuda and t.dim() and 0 < t.numel() < _LIB_BELOW and t.dtype in _LIB_DTYPES and approximate in _TANH
+            and t.is_contiguous() and _config.current.backend != "triton"):
+        return False
+    shape, dtype, device = t.shape, t.dtype, t.get_device()
+    for o in others:
+        if o.shape != shape or o.dtype != dtype or not o.is_contiguous() or o.get_device() != device:
+            return False
+    return True
 
 
 def _run_fwd(out2: Tensor, g2: Tensor, u2: Tensor, approximate: str, fresh_out: bool = False) -> None:
@@ -131,10 +147,18 @@ def new_packed_output(x: Tensor, approximate: str, act_first: bool, d: int) -> T
     return out
 
 
-@op(add_op_namespace_prefix("geglu"))
-def geglu(gate: Tensor, up: Tensor, approximate: str, inplace_backward: bool) -> Tensor:
+def geglu_impl(gate: Tensor, up: Tensor, approximate: str) -> Tensor:
+    """The ``geglu`` op's implementation, which plain eager callers call directly: validates (``check_split``), then
+    ``gelu(gate) * up`` in a new contiguous tensor (contiguous inputs at library sizes: one C call)."""
+    if _flat_lib(gate, approximate, up):
+        return _direct.flat_fwd(gate, up, _TANH[approximate])
     check_split(gate, up, approximate)
     return new_output(gate, up, approximate)
+
+
+@op(add_op_namespace_prefix("geglu"))
+def geglu(gate: Tensor, up: Tensor, approximate: str, inplace_backward: bool) -> Tensor:
+    return geglu_impl(gate, up, approximate)
 
 
 @geglu.register_fake
@@ -166,6 +190,11 @@ def _(out, gate, up, approximate):
 
 
 def backward_new(grad: Tensor, gate: Tensor, up: Tensor, approximate: str) -> Tuple[Tensor, Tensor]:
+    """``geglu_backward``'s implementation: validates, then (d_gate, d_up) in new tensors."""
+    if _flat_lib(gate, approximate, up, grad):
+        d_gate, d_up = torch.empty_like(gate), torch.empty_like(gate)
+        _direct.flat_bwd(d_gate, d_up, grad, gate, up, _TANH[approximate])
+        return d_gate, d_up
     check_backward(grad, gate, up, approximate)
     d_gate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     d_up = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
@@ -174,6 +203,10 @@ def backward_new(grad: Tensor, gate: Tensor, up: Tensor, approximate: str) -> Tu
 
 
 def backward_inplace(grad: Tensor, gate: Tensor, up: Tensor, approximate: str) -> None:
+    """``geglu_backward_``'s implementation: validates, then d_gate written over gate and d_up over up."""
+    if _flat_lib(gate, approximate, up, grad) and abs(gate.data_ptr() - up.data_ptr()) >= gate.nbytes:
+        _direct.flat_bwd(gate, up, grad, gate, up, _TANH[approximate])
+        return
     check_backward(grad, gate, up, approximate)
     d = gate.shape[-1]
     if not (_viewable(gate, d) and _viewable(up, d)):
@@ -181,28 +214,39 @@ def backward_inplace(grad: Tensor, gate: Tensor, up: Tensor, approximate: str) -
     backward_into(gate, up, grad, gate, up, approximate)
 
 
-def packed_backward_new(grad: Tensor, x: Tensor, approximate: str, act_first: bool) -> Tensor:
+def _check_packed_backward(grad: Tensor, x: Tensor, approximate: str, act_first: bool) -> None:
     check_packed(x, approximate)
+    gate, up = packed_halves(x, act_first)
+    check_backward(grad, gate, up, approximate)
+
+
+def packed_backward_new(grad: Tensor, x: Tensor, approximate: str, act_first: bool) -> Tensor:
+    """``geglu_packed_backward``'s implementation: validates, then the gradient of x in a new tensor."""
+    _check_packed_backward(grad, x, approximate, act_first)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     gate, up = packed_halves(x, act_first)
     d_gate, d_up = packed_halves(dx, act_first)
-    check_backward(grad, gate, up, approximate)
     backward_into(d_gate, d_up, grad, gate, up, approximate)
     return dx
 
 
 def packed_backward_inplace(grad: Tensor, x: Tensor, approximate: str, act_first: bool) -> None:
-    d = check_packed(x, approximate)
+    """``geglu_packed_backward_``'s implementation: validates, then the gradient of x written over x."""
+    _check_packed_backward(grad, x, approximate, act_first)
     gate, up = packed_halves(x, act_first)
-    check_backward(grad, gate, up, approximate)
-    if not _viewable(gate, d):
+    if not _viewable(gate, gate.shape[-1]):
         raise ValueError("geglu: in-place backward needs an x whose leading dims flatten to rows without a copy.")
     backward_into(gate, up, grad, gate, up, approximate)
 
 
-@op(add_op_namespace_prefix("geglu_backward"))
-def geglu_backward(grad: Tensor, gate: Tensor, up: Tensor, approximate: str) -> Tuple[Tensor, Tensor]:
-    return backward_new(grad, gate, up, approximate)
+# The backward ops are their implementations, registered as they are.
+geglu_backward = op(add_op_namespace_prefix("geglu_backward"))(backward_new)
+geglu_backward_ = op(add_op_namespace_prefix("geglu_backward_"), mutates_args=("gate", "up"))(backward_inplace)
+geglu_packed_backward = op(add_op_namespace_prefix("geglu_packed_backward"))(packed_backward_new)
+geglu_packed_backward_ = op(add_op_namespace_prefix("geglu_packed_backward_"), mutates_args=("x",))(
+    packed_backward_inplace)
+geglu_backward_.register_fake(check_backward)
+geglu_packed_backward_.register_fake(_check_packed_backward)
 
 
 @geglu_backward.register_fake
@@ -212,41 +256,10 @@ def _(grad, gate, up, approximate):
             torch.empty(gate.shape, dtype=gate.dtype, device=gate.device))
 
 
-@op(add_op_namespace_prefix("geglu_backward_"), mutates_args=("gate", "up"))
-def geglu_backward_(grad: Tensor, gate: Tensor, up: Tensor, approximate: str) -> None:
-    """In-place backward: d_gate written over gate, d_up over up."""
-    backward_inplace(grad, gate, up, approximate)
-
-
-@geglu_backward_.register_fake
-def _(grad, gate, up, approximate):
-    check_backward(grad, gate, up, approximate)
-
-
-@op(add_op_namespace_prefix("geglu_packed_backward"))
-def geglu_packed_backward(grad: Tensor, x: Tensor, approximate: str, act_first: bool) -> Tensor:
-    return packed_backward_new(grad, x, approximate, act_first)
-
-
 @geglu_packed_backward.register_fake
 def _(grad, x, approximate, act_first):
-    check_packed(x, approximate)
-    gate, up = packed_halves(x, act_first)
-    check_backward(grad, gate, up, approximate)
+    _check_packed_backward(grad, x, approximate, act_first)
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
-
-
-@op(add_op_namespace_prefix("geglu_packed_backward_"), mutates_args=("x",))
-def geglu_packed_backward_(grad: Tensor, x: Tensor, approximate: str, act_first: bool) -> None:
-    """In-place packed backward: the gradient of x written over x."""
-    packed_backward_inplace(grad, x, approximate, act_first)
-
-
-@geglu_packed_backward_.register_fake
-def _(grad, x, approximate, act_first):
-    check_packed(x, approximate)
-    gate, up = packed_halves(x, act_first)
-    check_backward(grad, gate, up, approximate)
 
 
 def _contiguous_last_dim(grad: Tensor) -> Tensor:
@@ -276,10 +289,6 @@ def _backward_split(ctx, grad):
     gate, up = ctx.saved_tensors
     approximate, inplace = ctx.approximate, ctx.inplace_backward
     eager = _eager(grad, gate, up)
-    if eager and _DIRECT:
-        grads = _direct.lean_bwd(grad, gate, up, is_tanh(approximate), inplace)
-        if grads is not None:
-            return grads[0], grads[1], None, None
     grad = _contiguous_last_dim(grad)
     if inplace and _inplace_ok(grad, gate, up):
         (backward_inplace if eager else geglu_backward_)(grad, gate, up, approximate)
@@ -305,7 +314,7 @@ class GeGLUFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(gate, up, approximate, inplace_backward):
-        return new_output(gate, up, approximate)
+        return geglu_impl(gate, up, approximate)
 
     @staticmethod
     def setup_context(ctx, inputs, output):

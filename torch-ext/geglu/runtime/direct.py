@@ -1,20 +1,18 @@
-"""Eager path into the compiled CUDA library's C entry points (``geglu_c_fwd`` / ``geglu_c_bwd``) through ctypes,
-skipping the dispatcher: the same kernels with the same arguments as the ops. ``AVAILABLE`` is False without a
-compiled library or its entry points. ``fwd`` / ``bwd`` expect tensors validated as for the ops (``runtime.checks``).
-"""
+"""The compiled CUDA library's C entry points (``geglu_c_fwd`` / ``geglu_c_bwd``) through ctypes: how the pointwise
+op's implementation launches the library's kernels without a second trip through the dispatcher. ``AVAILABLE`` is
+False without a compiled library or its entry points. Every function expects tensors validated as for the ops
+(``runtime.checks``)."""
 
 import ctypes
 import glob
 import os
 
 import torch
-from torch import Tensor
 
-from . import backend as _backend
 from . import config as _config
 from .._ops import HAS_CUDA_LIB
 
-_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the C entry points' dtype codes
 _ELEMENT_SIZE = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
 
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
@@ -93,7 +91,7 @@ def fwd(out2: torch.Tensor, g2: torch.Tensor, u2: torch.Tensor, tanh: bool, fres
     if not fresh_out and not _safe_output(out2, rows, cols, (g2, u2)):
         return False
     device = g2.get_device()
-    status = _fwd(_DTYPES[g2.dtype], out2.data_ptr(), _row_stride(out2, rows, cols), g2.data_ptr(),
+    status = _fwd(DTYPES[g2.dtype], out2.data_ptr(), _row_stride(out2, rows, cols), g2.data_ptr(),
                   _row_stride(g2, rows, cols), u2.data_ptr(), _row_stride(u2, rows, cols), rows, cols, tanh, device,
                   _stream(device))
     if status:
@@ -109,7 +107,7 @@ def bwd(dg2: torch.Tensor, du2: torch.Tensor, dy2: torch.Tensor, g2: torch.Tenso
     if not (_safe_output(dg2, rows, cols, (dy2, g2, u2), (du2,)) and _safe_output(du2, rows, cols, (dy2, g2, u2))):
         return False
     device = g2.get_device()
-    status = _bwd(_DTYPES[g2.dtype], dg2.data_ptr(), _row_stride(dg2, rows, cols), du2.data_ptr(),
+    status = _bwd(DTYPES[g2.dtype], dg2.data_ptr(), _row_stride(dg2, rows, cols), du2.data_ptr(),
                   _row_stride(du2, rows, cols), dy2.data_ptr(), _row_stride(dy2, rows, cols), g2.data_ptr(),
                   _row_stride(g2, rows, cols), u2.data_ptr(), _row_stride(u2, rows, cols), rows, cols, tanh, device,
                   _stream(device))
@@ -118,60 +116,26 @@ def bwd(dg2: torch.Tensor, du2: torch.Tensor, dy2: torch.Tensor, g2: torch.Tenso
     return True
 
 
-# --- the lean eager path --------------------------------------------------------------------------------------------
-# The common case in the fewest Python steps: plain contiguous CUDA tensors of one supported dtype, shape and device,
-# nothing to differentiate, no compile/trace/functorch, the compiled library chosen for this size. Anything else
-# returns None (the general path).
-
-_TANH = {"tanh": 1, "none": 0}
-_is_compiling = torch.compiler.is_compiling
-_is_tracing = torch._C._is_tracing
-_functorch_active = torch._C._are_functorch_transforms_active
-_grad_enabled = torch.is_grad_enabled
-_empty_like = torch.empty_like
-
-
-def lean_fwd(gate, up, approximate):
-    """``gelu(gate) * up`` for the common eager call, or None when the call needs the general path."""
-    if type(gate) is not Tensor or type(up) is not Tensor or not gate.is_cuda or _is_compiling():
-        return None
-    if _grad_enabled() and (gate.requires_grad or up.requires_grad):
-        return None
-    dt = _DTYPES.get(gate.dtype)
-    tanh = _TANH.get(approximate)
-    if dt is None or tanh is None or up.dtype != gate.dtype or up.shape != gate.shape:
-        return None
+def flat_fwd(gate: torch.Tensor, up: torch.Tensor, tanh: bool) -> torch.Tensor:
+    """``gelu(gate) * up`` of contiguous, validated CUDA tensors (numel > 0) in a new tensor: one launch on the flat
+    elements, nothing else checked."""
     n = gate.numel()
-    if n == 0 or n >= _backend.CUDA_LIB_BELOW or _config.current.backend == "triton":
-        return None
-    if not (gate.is_contiguous() and up.is_contiguous()) or _is_tracing() or _functorch_active():
-        return None
+    out = torch.empty_like(gate)
     device = gate.get_device()
-    if up.get_device() != device:
-        return None
-    out = _empty_like(gate)
-    status = _fwd(dt, out.data_ptr(), n, gate.data_ptr(), n, up.data_ptr(), n, 1, n, tanh, device, _stream(device))
+    status = _fwd(DTYPES[gate.dtype], out.data_ptr(), n, gate.data_ptr(), n, up.data_ptr(), n, 1, n, tanh, device,
+                  _stream(device))
     if status:
         _raise(status, "geglu_fwd")
     return out
 
 
-def lean_bwd(grad, gate, up, tanh, inplace):
-    """(d_gate, d_up) for autograd's call on contiguous CUDA tensors at library sizes (gate and up validated by the
-    forward), or None for the general path. ``inplace``: written over gate and up (None if they overlap)."""
+def flat_bwd(d_gate: torch.Tensor, d_up: torch.Tensor, grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+             tanh: bool) -> None:
+    """The backward of contiguous, validated CUDA tensors (numel > 0) on the flat elements: d_gate / d_up fresh, or
+    exactly gate / up when the two do not overlap."""
     n = gate.numel()
-    if (n == 0 or n >= _backend.CUDA_LIB_BELOW or _config.current.backend == "triton" or not gate.is_cuda
-            or type(grad) is not Tensor or grad.dtype != gate.dtype or grad.shape != gate.shape
-            or not (grad.is_contiguous() and gate.is_contiguous() and up.is_contiguous())):
-        return None
-    if inplace:
-        gp, up_ = gate.data_ptr(), up.data_ptr()
-        if abs(gp - up_) < n * gate.element_size():  # the two outputs would overlap
-            return None
     device = gate.get_device()
-    d_gate, d_up = (gate, up) if inplace else (_empty_like(gate), _empty_like(gate))
-    status = _bwd(_DTYPES[gate.dtype], d_gate.data_ptr(), n, d_up.data_ptr(), n, grad.data_ptr(), n, gate.data_ptr(),
+    status = _bwd(DTYPES[gate.dtype], d_gate.data_ptr(), n, d_up.data_ptr(), n, grad.data_ptr(), n, gate.data_ptr(),
                   n, up.data_ptr(), n, 1, n, tanh, device, _stream(device))
     if status:
         _raise(status, "geglu_bwd")
-    return d_gate, d_up
