@@ -97,3 +97,35 @@ def test_backend_choice(geglu):
         with pytest.raises(RuntimeError, match="no compiled CUDA library"):
             geglu.set_backend("cuda")
     assert geglu.get_backend() == "auto"
+
+
+@pytest.mark.parametrize("pins", [dict(version=1, revision="main"), dict(version=1, lockfile="kernels.lock"),
+                                  dict(revision="main", lockfile="kernels.lock")])
+def test_register_transformers_takes_one_pin(geglu, pins):
+    """version=, revision= and lockfile= each name the commit to map: two of them are a contradiction, refused
+    before anything is registered."""
+    pytest.importorskip("kernels")
+    names = " and ".join(k for k in ("version", "revision", "lockfile") if k in pins)
+    with pytest.raises(ValueError, match=f"{names} each pin repo_id's code; pass one of them"):
+        geglu.register_transformers(repo_id="org/geglu", register=False, **pins)
+    with pytest.raises(ValueError, match="need repo_id=|pass repo_id= with them"):
+        geglu.register_transformers(register=False, **pins)
+
+
+def test_transformers_kernel_config_takes_one_pin(geglu):
+    gemma = pytest.importorskip("transformers.models.gemma.modeling_gemma")
+    with pytest.raises(ValueError, match="version= and revision= each pin repo_id's code; pass one"):
+        geglu.transformers_kernel_config(gemma.GemmaForCausalLM, repo_id="org/geglu", version=1, revision="main")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_zero_dim_cuda_tensors_get_the_cpu_error(geglu, dtype):
+    """The library's one-call path for small contiguous CUDA tensors validates as the checked path does."""
+    g = torch.tensor(1.0, dtype=dtype, device="cuda")
+    for call in (lambda t: geglu.geglu(t, t.clone()), lambda t: geglu.geglu_backward(t, t, t)):
+        with pytest.raises(ValueError) as on_cuda:
+            call(g)
+        with pytest.raises(ValueError) as on_cpu:
+            call(g.cpu())
+        assert str(on_cuda.value) == str(on_cpu.value)

@@ -162,6 +162,9 @@ def _repository_factory(repo_id, *, version, revision, lockfile, trust_remote_co
                              "repo_id= with them, or none of them to map this loaded kernel.")
         own = _own_dir()
         return lambda layer: LocalLayerRepository(own, layer_name=layer)
+    given = [name for name, v in (("version", version), ("revision", revision), ("lockfile", lockfile)) if v is not None]
+    if len(given) > 1:
+        raise ValueError(f"register_transformers: {' and '.join(given)} each pin repo_id's code; pass one of them.")
     if lockfile is not None:
         return lambda layer: LockedLayerRepository(repo_id, lockfile=Path(lockfile), layer_name=layer,
                                                    trust_remote_code=trust_remote_code)
@@ -275,6 +278,8 @@ def transformers_kernel_config(model: Any, *, repo_id: str | None = None, versio
                          "(e.g. PaliGemma) pass the loaded model instead of its class; GEGLU_CLASSES lists them.")
     if repo_id is None and (version is not None or revision is not None):
         raise ValueError("transformers_kernel_config: version= and revision= need repo_id=.")
+    if version is not None and revision is not None:
+        raise ValueError("transformers_kernel_config: version= and revision= each pin repo_id's code; pass one.")
     if repo_id is None:
         origin = _own_origin()
         if origin is None:
