@@ -154,11 +154,21 @@ def test_epilogue_is_pointwise_geglu_of_its_preactivations(geglu, fused, kt, dty
     x, wg, wu, g, u = _exact_gemm_data(40, 40, 48, dtype)
     want = geglu.geglu(g, u, approximate)
     for cfg in _configs(kt) + [_pair_cfg(kt, pair=True)]:
-        cfg = (cfg or kt.choose_config(40, 40, 48, dtype))._replace(fast_epi=False)
+        cfg = (cfg or kt.choose_config(40, 40, 48, dtype, torch.device(DEVICE)))._replace(fast_epi=False)
         assert torch.equal(kt.gate_up_geglu(x, wg, wu, approximate == "tanh", cfg), want), f"config {cfg}"
 
 
 # --- one wide dot over both weights, in place: the paired kernel ------------------------------------------------
+
+
+def test_fallback_tiles_are_remembered_per_device(kt, fresh_decisions):
+    """A tile the fused kernel fell back to on one device (fewer stages after OutOfResources) is not chosen for the
+    same shape on another device, whose shared memory may differ."""
+    here, there = torch.device("cuda", 0), torch.device("cuda", 1)
+    fallback = kt.inference_config(300)._replace(num_stages=2)
+    kt.TUNED[(kt.m_bucket(300), 64, 128, torch.bfloat16, there)] = fallback
+    assert kt.choose_config(300, 64, 128, torch.bfloat16, there) == fallback
+    assert kt.choose_config(300, 64, 128, torch.bfloat16, here) == kt.inference_config(300)
 
 
 def _pair_cfg(kt, **kw):

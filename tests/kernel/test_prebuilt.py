@@ -107,7 +107,7 @@ def plans_not_prebuilt() -> list:
                             missing.append(("norm bwd", M, D, key[:2]))
     for M in (65, 200, 256, 257, 300, 2048, 16384):
         for tanh in (False, True):
-            cfg = fmt.choose_config(M, 2560, 10240, torch.bfloat16)
+            cfg = fmt.choose_config(M, 2560, 10240, torch.bfloat16, torch.device("cuda", 0))
             keys = [_k(fmt._gate_up_geglu_kernel, fmt.gate_up_consts(tanh, True, cfg), cfg.num_warps,
                        cfg.num_stages)]
             if cfg.pair:

@@ -48,7 +48,7 @@ class Config(NamedTuple):
 MEDIUM = Config(64, 128, 64, 8, 4, 4)  # 65 <= M <= 256
 INTERPRETER = Config(16, 16, 16, 2, 1, 1)  # several tiles and K steps at test sizes
 PAIRED_LARGE = Config(128, 128, 64, 16, 8, 3, persistent=True, flatten=True, fast_epi=True, pair=True)
-# (M bucket, D, H, dtype) -> the Config `gate_up_geglu` fell back to after OutOfResources (one stage fewer)
+# (M bucket, D, H, dtype, device) -> the Config `gate_up_geglu` fell back to after OutOfResources (one stage fewer)
 TUNED: dict = {}
 
 
@@ -63,8 +63,8 @@ def m_bucket(M: int) -> int:
     return min(1 << max(M - 1, 1).bit_length(), 8192)
 
 
-def choose_config(M: int, D: int, H: int, dtype: torch.dtype) -> Config:
-    return TUNED.get((m_bucket(M), D, H, dtype)) or inference_config(M)
+def choose_config(M: int, D: int, H: int, dtype: torch.dtype, device: torch.device) -> Config:
+    return TUNED.get((m_bucket(M), D, H, dtype, device)) or inference_config(M)
 
 
 def tma_aligned(t: torch.Tensor) -> bool:
@@ -93,7 +93,7 @@ def gate_up_geglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, tan
         return out
     if K == 0:
         raise ValueError("gate_up_geglu: D = 0 is not supported by the fused kernel.")
-    cfg = config or choose_config(M, K, N, x.dtype)
+    cfg = config or choose_config(M, K, N, x.dtype, x.device)
     use_tma = cfg.tma and tma_supported(x.device) and all(tma_aligned(t) for t in (x, w_gate, w_up, out))
     layout = pair_layout(w_gate, w_up) if use_tma and cfg.pair else None
     try:
@@ -104,7 +104,7 @@ def gate_up_geglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, tan
     except triton.runtime.errors.OutOfResources:
         if config is not None or cfg.num_stages <= 2:
             raise  # an explicit config reports its failure
-        TUNED[(m_bucket(M), K, N, x.dtype)] = cfg._replace(num_stages=cfg.num_stages - 1)
+        TUNED[(m_bucket(M), K, N, x.dtype, x.device)] = cfg._replace(num_stages=cfg.num_stages - 1)
         return gate_up_geglu(x, w_gate, w_up, tanh)
     return out
 
