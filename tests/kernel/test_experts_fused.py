@@ -88,6 +88,16 @@ def test_rows_past_the_last_offset_are_not_written(et):
         et.grouped_gate_up_geglu(x, w, offsets, True, out=sentinel[:, :16])
 
 
+def test_no_expert_writes_nothing(et):
+    """E = 0 experts (an expert-parallel rank holding none): no row is written and nothing is launched."""
+    x = torch.randn(5, 32).to(torch.bfloat16).to(DEVICE)
+    w = torch.empty(0, 64, 32, dtype=x.dtype, device=x.device)
+    sentinel = torch.full((5, 32), 7.0, dtype=x.dtype, device=x.device)
+    offsets = torch.empty(0, dtype=torch.int32, device=x.device)
+    assert et.grouped_gate_up_geglu(x, w, offsets, False, out=sentinel) is sentinel
+    assert (sentinel == 7.0).all()
+
+
 def test_offsets_past_the_rows_write_nothing_outside_them(et):
     """Offsets whose last count runs past x's rows (a caller's bug) make the kernel neither write past the output
     (the store is masked at S, the tile loop stops at the listed tiles) nor read past the schedule."""

@@ -111,7 +111,7 @@ def grouped_gate_up_geglu(x: torch.Tensor, gate_up_proj: torch.Tensor, offsets: 
     elif out.shape != (S, I) or out.dtype != x.dtype or out.device != x.device or not out.is_contiguous():
         raise ValueError(f"grouped_gate_up_geglu: out must be a contiguous {x.dtype} tensor of shape ({S}, {I}) on "
                          f"{x.device}; got {out.dtype} {tuple(out.shape)} on {out.device}.")
-    if S == 0 or I == 0:
+    if S == 0 or I == 0 or E == 0:  # E == 0: no expert, every row unwritten
         return out
     if D == 0:
         raise ValueError("grouped_gate_up_geglu: hidden size 0 is not supported by the fused kernel.")
