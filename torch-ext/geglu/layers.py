@@ -1,5 +1,5 @@
-"""Hub layers for ``kernels.kernelize``: only ``forward``, ``has_backward`` and ``can_torch_compile``; state comes
-from the host module (the annotations name it) and ``forward`` has the host's signature."""
+"""Hub layers for ``kernels.kernelize`` (:class:`runtime.library.HubLayer`): only ``forward``, with the host's
+signature; state comes from the host module (the annotations name it)."""
 
 from typing import Callable
 
@@ -12,27 +12,22 @@ from .experts.layers import GeGLUExperts, GeGLUExpertsGate
 from .functional import gated_packed, gated_proj
 from .mlp import ops as _mlp
 from .rmsnorm.layers import Gemma3nRMSNorm, GemmaRMSNorm
+from .runtime.library import HubLayer
 
 
 _is_compiling = torch.compiler.is_compiling
 _GELU_ERF, _GELU_TANH = nn.GELU(), nn.GELU(approximate="tanh")
 
 
-class GeluAndMul(nn.Module):
+class GeluAndMul(HubLayer):
     """The layer computes ``x -> gelu(x[..., :d]) * x[..., d:]`` (erf GELU). Shapes: ``[..., 2d] -> [..., d]``."""
-
-    can_torch_compile = True
-    has_backward = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return gated_packed(_GELU_ERF, x, act_first=True, inplace_backward=False)
 
 
-class GeluTanhAndMul(nn.Module):
+class GeluTanhAndMul(HubLayer):
     """The layer computes ``x -> gelu_tanh(x[..., :d]) * x[..., d:]``. Shapes: ``[..., 2d] -> [..., d]``."""
-
-    can_torch_compile = True
-    has_backward = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return gated_packed(_GELU_TANH, x, act_first=True, inplace_backward=False)
@@ -47,7 +42,7 @@ def _plain_linear(m) -> bool:
             and type(m.weight) in _PLAIN and "forward" not in m.__dict__)
 
 
-class GeGLUMLP(nn.Module):
+class GeGLUMLP(HubLayer):
     """The layer computes ``x -> down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (Gemma, Gemma 2/3/4, ...).
 
     Shapes: x ``[..., D]`` -> ``[..., D_out]``; gate_proj, up_proj ``D -> H``, down_proj ``H -> D_out``.
@@ -58,9 +53,6 @@ class GeGLUMLP(nn.Module):
     ``GEGLU_FUSED_MLP=0``), under torch.compile where the shipped rule allows it for the rows (one guard), else the
     host's ops; compiled training traces the host's ops. Other projections run their own forward.
     """
-
-    can_torch_compile = True
-    has_backward = True
 
     gate_proj: nn.Module
     up_proj: nn.Module
@@ -76,11 +68,8 @@ class GeGLUMLP(nn.Module):
         return down_proj(gated_proj(act, gate_proj(x), up_proj, x))
 
 
-class GeGLUMLPWithDropout(nn.Module):
+class GeGLUMLPWithDropout(HubLayer):
     """``x -> down_proj(dropout(act_fn(gate_proj(x)) * up_proj(x)))``, the host's dropout (T5Gemma, T5Gemma 2, Gte)."""
-
-    can_torch_compile = True
-    has_backward = True
 
     gate_proj: nn.Module
     up_proj: nn.Module
@@ -92,12 +81,9 @@ class GeGLUMLPWithDropout(nn.Module):
         return self.down_proj(self.dropout(gated_proj(self.act_fn, self.gate_proj(x), self.up_proj, x)))
 
 
-class GeGLUSelfConditioning(nn.Module):
+class GeGLUSelfConditioning(HubLayer):
     """DiffusionGemma's self-conditioning: ``(e, signal) -> post_norm(e + mlp(pre_norm(signal)))``, with the host's
     norms and :class:`GeGLUMLP`'s computation as ``mlp``."""
-
-    can_torch_compile = True
-    has_backward = True
 
     pre_norm: nn.Module
     post_norm: nn.Module
@@ -111,12 +97,9 @@ class GeGLUSelfConditioning(nn.Module):
         return self.post_norm(inputs_embeds + GeGLUMLP.forward(self, normed))
 
 
-class Gemma3nGeGLUMLP(nn.Module):
+class Gemma3nGeGLUMLP(HubLayer):
     """Gemma 3n's text MLP: :class:`GeGLUMLP`'s formula, the gate first through the host's ``_gaussian_topk`` where
     ``activation_sparsity > 0`` (then no in-place backward: the top-k's ReLU saves the gate it would overwrite)."""
-
-    can_torch_compile = True
-    has_backward = True
 
     gate_proj: nn.Module
     up_proj: nn.Module
@@ -133,12 +116,9 @@ class Gemma3nGeGLUMLP(nn.Module):
         return self.down_proj(gated_proj(self.act_fn, gate, self.up_proj, hidden_states, inplace_backward=not sparse))
 
 
-class T5GeGLUDense(nn.Module):
+class T5GeGLUDense(HubLayer):
     """The layer computes ``h -> wo(dropout(act(wi_0(h)) * wi_1(h)))`` (T5 v1.1 / flan-T5 gated-gelu, mT5, UMT5,
     UDOP, Pix2Struct, Kosmos-2.5); as T5, the product is cast to ``wo.weight.dtype`` if that differs and is not int8."""
-
-    can_torch_compile = True
-    has_backward = True
 
     wi_0: nn.Module
     wi_1: nn.Module
@@ -154,11 +134,8 @@ class T5GeGLUDense(nn.Module):
         return self.wo(hidden_states)
 
 
-class LongT5GeGLUDense(nn.Module):
+class LongT5GeGLUDense(HubLayer):
     """LongT5's gated feed-forward: :class:`T5GeGLUDense` without the cast to ``wo.weight.dtype``."""
-
-    can_torch_compile = True
-    has_backward = True
 
     wi_0: nn.Module
     wi_1: nn.Module
@@ -170,11 +147,8 @@ class LongT5GeGLUDense(nn.Module):
         return self.wo(self.dropout(gated_proj(self.act, self.wi_0(hidden_states), self.wi_1, hidden_states)))
 
 
-class ModernBertGeGLUMLP(nn.Module):
+class ModernBertGeGLUMLP(HubLayer):
     """The layer computes ``x -> Wo(drop(act(a) * b))`` with ``a, b = Wi(x).chunk(2, -1)``, read in place."""
-
-    can_torch_compile = True
-    has_backward = True
 
     Wi: nn.Module
     act: nn.Module
@@ -185,12 +159,9 @@ class ModernBertGeGLUMLP(nn.Module):
         return self.Wo(self.drop(gated_packed(self.act, self.Wi(hidden_states), act_first=True)))
 
 
-class Zamba2GeGLUMLP(nn.Module):
+class Zamba2GeGLUMLP(HubLayer):
     """Zamba2's MLP: ``down_proj(act_fn(gate) * up)`` of ``gate, up = (gate_up_proj(x) + adapter(x)).chunk(2, -1)``,
     the LoRA adapter ``gate_up_proj_adapter_list[layer_dic[layer_idx]]``."""
-
-    can_torch_compile = True
-    has_backward = True
 
     gate_up_proj: nn.Module
     gate_up_proj_adapter_list: nn.ModuleList
@@ -205,11 +176,8 @@ class Zamba2GeGLUMLP(nn.Module):
         return self.down_proj(gated_packed(self.act_fn, gate_up_state, act_first=True))
 
 
-class ClvpGeGLU(nn.Module):
+class ClvpGeGLU(HubLayer):
     """The layer computes ``x -> h * act(gate)`` with ``h, gate = proj(x).chunk(2, -1)``."""
-
-    can_torch_compile = True
-    has_backward = True
 
     proj: nn.Module
     activation_fn: nn.Module
@@ -218,11 +186,8 @@ class ClvpGeGLU(nn.Module):
         return gated_packed(self.activation_fn, self.proj(hidden_states), act_first=False)
 
 
-class CpmAntGeGLU(nn.Module):
+class CpmAntGeGLU(HubLayer):
     """The layer computes ``h -> act(w_0(h)) * w_1(h)`` (CPM-Ant; the caller applies the output projection)."""
-
-    can_torch_compile = True
-    has_backward = True
 
     w_0: nn.Module
     w_1: nn.Module
@@ -239,14 +204,11 @@ def _rotary(module, x: torch.Tensor, position_ids: torch.Tensor, prefix: str):
     return _rope_cos_sin(position_ids.to(x.device), inv_freq, float(scaling), x.dtype)
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(HubLayer):
     """Gemma rotary embedding ``(x, position_ids) -> cos, sin`` of the positions times ``inv_freq``: the host's
     forward in eager; under torch.compile one op (``_rope.rope_cos_sin``, eager's bits) from ``ROPE_OP_MIN_ROWS``
     positions (batch x sequence) on, the host's forward below (one guard on the symbolic count). Positions need no
     gradient."""
-
-    can_torch_compile = True
-    has_backward = True
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
         if not _is_compiling() or position_ids.numel() < ROPE_OP_MIN_ROWS:
@@ -254,11 +216,8 @@ class RotaryEmbedding(nn.Module):
         return _rotary(self, x, position_ids, "")
 
 
-class LayerTypeRotaryEmbedding(nn.Module):
+class LayerTypeRotaryEmbedding(HubLayer):
     """:class:`RotaryEmbedding` for ``forward(x, position_ids, layer_type)``, buffers ``<layer_type>_inv_freq``."""
-
-    can_torch_compile = True
-    has_backward = True
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, layer_type):
         if not _is_compiling() or position_ids.numel() < ROPE_OP_MIN_ROWS:

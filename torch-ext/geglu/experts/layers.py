@@ -8,16 +8,14 @@ from torch import nn
 from .._activations import gelu_approximation
 from ..functional import gated_packed
 from . import ops as _experts
+from ..runtime.library import HubLayer
 
 _is_compiling = torch.compiler.is_compiling
 
 
-class GeGLUExpertsGate(nn.Module):
+class GeGLUExpertsGate(HubLayer):
     """``gate_up [..., 2I] -> act_fn(gate) * up [..., I]`` (``gate, up = gate_up.chunk(2, -1)``): the packed kernel
     for a GELU ``act_fn`` (bit-exact on the GPU), else the host's math. The backward writes its grad over gate_up."""
-
-    can_torch_compile = True
-    has_backward = True
 
     def forward(self, act_fn, gate_up: torch.Tensor) -> torch.Tensor:
         return gated_packed(act_fn, gate_up, act_first=True)
@@ -27,13 +25,10 @@ def _experts_gate(act_fn, gate_up: torch.Tensor) -> torch.Tensor:
     return gated_packed(act_fn, gate_up, act_first=True)
 
 
-class GeGLUExperts(nn.Module):
+class GeGLUExperts(HubLayer):
     """The experts forward, ``(hidden_states [T, D], top_k_index, top_k_weights [T, k]) -> [T, D]``: for the "eager"
     (or unset) implementation the per-expert loop with the packed gate; else, outside torch.compile, the fused block
     where ``experts.ops.fused_forward`` takes the call; else the class's own forward."""
-
-    can_torch_compile = True
-    has_backward = True
 
     gate_up_proj: nn.Parameter
     down_proj: nn.Parameter

@@ -1,10 +1,10 @@
 """Gemma's RMSNorm hub layers (exported by ``layers``)."""
 
 import torch
-from torch import nn
 
 from .ops import host_forward as _gemma_norm_host, layer_forward as _gemma_norm
 from .ops import scaled_host_forward as _scaled_norm_host, scaled_layer_forward as _scaled_norm
+from ..runtime.library import HubLayer
 
 _is_compiling = torch.compiler.is_compiling
 
@@ -15,7 +15,7 @@ def _norm_eps(module) -> float:
     return module.variance_epsilon if eps is None else eps
 
 
-class GemmaRMSNorm(nn.Module):
+class GemmaRMSNorm(HubLayer):
     """Replaces transformers' ``GemmaRMSNorm`` and classes with its forward (Gemma 2, Gemma 3, T5Gemma, ...):
     ``(x.float() * rsqrt(mean(x.float()^2, -1) + eps) * (1.0 + weight.float())).type_as(x)``; on CUDA one fused
     kernel forward and one backward (dx and a deterministic dw), on CPU the host's own ops. Under torch.compile,
@@ -23,9 +23,6 @@ class GemmaRMSNorm(nn.Module):
 
     Shapes: x ``[..., D]``, weight ``[D]``; output like x.
     """
-
-    can_torch_compile = True
-    has_backward = True
 
     weight: torch.Tensor
     eps: float
@@ -37,13 +34,10 @@ class GemmaRMSNorm(nn.Module):
         return _gemma_norm(x, self.weight, eps)
 
 
-class Gemma3nRMSNorm(nn.Module):
+class Gemma3nRMSNorm(HubLayer):
     """Replaces transformers' ``Gemma3nRMSNorm`` and classes with its forward (Gemma 4, EmbeddingGemma 2, ...):
     ``(x.float() * pow(mean(x.float()^2, -1) + eps, -0.5) * weight.float()).type_as(x)``, with no scale when
     ``with_scale`` is False. On CUDA the fused kernels (offset 0); on CPU and under torch.compile the host's math."""
-
-    can_torch_compile = True
-    has_backward = True
 
     eps: float  # or variance_epsilon
     with_scale: bool

@@ -1,4 +1,5 @@
-"""Operator definition (:func:`op`) and :func:`fast_apply` for autograd Functions.
+"""Operator definition (:func:`op`), :func:`fast_apply` for autograd Functions and :class:`HubLayer`, the Hub
+layers' base.
 
 :func:`op` defines an operator with ``Library.define`` / ``Library.impl``: the schema is inferred from the type hints
 (``torch.library.infer_schema``); fake implementation and autograd formula register through ``register_fake`` /
@@ -10,6 +11,7 @@ autograd fallback: call it without a gradient. Call sites pass ``add_op_namespac
 from typing import Callable, Dict, Sequence
 
 import torch
+from torch import nn
 from torch.library import Library
 
 _LIBS: Dict[str, Library] = {}
@@ -54,4 +56,13 @@ def fast_apply(function: type) -> Callable:
     return super(torch.autograd.Function, function).apply
 
 
-__all__ = ["Op", "op", "fast_apply"]
+class HubLayer(nn.Module):
+    """The base of the package's Hub layers: kernelize may map them in every mode (``can_torch_compile``,
+    ``has_backward``). A layer adds ``forward`` only (``kernels`` refuses other members); state comes from the host
+    module, named by the class's annotations."""
+
+    can_torch_compile = True
+    has_backward = True
+
+
+__all__ = ["Op", "op", "fast_apply", "HubLayer"]
