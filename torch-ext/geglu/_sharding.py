@@ -43,10 +43,6 @@ Rule = Callable[..., Strategies]
 _LINEAR_REDUCE_OPS = ("sum", "avg")  # reductions that commute with multiplying by a replicated factor
 
 
-def _is_spec(a) -> bool:
-    return hasattr(a, "placements") and hasattr(a, "ndim")
-
-
 def _partials(spec) -> list:
     """The Partial placements of ``spec`` whose reduction an op linear in that tensor commutes with."""
     return [p for p in spec.placements if isinstance(p, Partial) and p.reduce_op in _LINEAR_REDUCE_OPS]

@@ -15,19 +15,10 @@ if INTERPRET:
     @triton.jit
     def _fast_rcp(x):
         return 1.0 / x
-
-    @triton.jit
-    def _fast_exp2(x):
-        return tl.exp2(x)
 else:
     @triton.jit
     def _fast_rcp(x):
         return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
-                                         pack=1)
-
-    @triton.jit
-    def _fast_exp2(x):
-        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
                                          pack=1)
 
 
