@@ -5,6 +5,9 @@ the host's time is the call's time. Each build is loaded by ``kernels.get_local_
 own (two builds of one kernel cannot share a process); the workers take turns, one at a time, in interleaved rounds
 (the order alternates), and each round times ``--calls`` back-to-back calls of every case on tiny tensors, so a
 call's time is its host cost (on CUDA the launches queue while the host runs ahead; the last call is synchronised).
+A round's time is the fastest of ``--blocks`` equal blocks of those calls (an interrupt or a migration of the
+process lands in one block, not in the round), and each worker is pinned to a core of its own where the host has
+enough.
 
 Cases: the pointwise op (plain, with a gradient recorded: forward + backward, packed), RMSNorm, the MLP layer's
 forward (``layers.GeGLUMLP`` on a module with nn.Linear projections), and the pointwise op inside a compiled
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import time
@@ -78,36 +82,51 @@ def _cases(path: str, device: str) -> dict:
     return cases
 
 
-def _worker(path: str, device: str, conn) -> None:
+def _worker(path: str, device: str, conn, core: int | None) -> None:
     import torch
 
+    if core is not None:
+        os.sched_setaffinity(0, {core})
     cases = _cases(path, device)
     conn.send(sorted(cases))
     while True:
         msg = conn.recv()
         if msg is None:
             return
-        name, calls = msg
+        name, calls, blocks = msg
         fn = cases[name]
+        per_block = max(1, calls // blocks)
+        best = float("inf")
         with torch.set_grad_enabled(name == "geglu autograd"):
             for _ in range(10):
                 fn()
-            if device == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            if device == "cuda":
-                torch.cuda.synchronize()
-        conn.send((time.perf_counter() - t0) / calls * 1e6)
+            for _ in range(blocks):
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(per_block):
+                    fn()
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                best = min(best, (time.perf_counter() - t0) / per_block * 1e6)
+        conn.send(best)
 
 
-def run(builds: dict, device: str, rounds: int, calls: int, log=print) -> dict:
+def _cores(n: int) -> list:
+    """A core of its own for each of ``n`` workers (leaving core 0 to this process), or None each where too few."""
+    try:
+        free = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return [None] * n
+    return free[1:n + 1] if len(free) > n else [None] * n
+
+
+def run(builds: dict, device: str, rounds: int, calls: int, blocks: int = 5, log=print) -> dict:
     ctx = mp.get_context("spawn")
     workers = {}
-    for label, path in builds.items():
+    for (label, path), core in zip(builds.items(), _cores(len(builds))):
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_worker, args=(str(path), device, child), daemon=True)
+        proc = ctx.Process(target=_worker, args=(str(path), device, child, core), daemon=True)
         proc.start()
         workers[label] = (proc, parent)
         parent.recv()  # loaded and warmed up
@@ -119,7 +138,7 @@ def run(builds: dict, device: str, rounds: int, calls: int, log=print) -> dict:
             for case in CASES:
                 for label in order:
                     conn = workers[label][1]
-                    conn.send((case, calls))
+                    conn.send((case, calls, blocks))
                     times[label][case].append(conn.recv())
             log(f"round {r + 1}/{rounds}")
     finally:
@@ -137,8 +156,8 @@ def run(builds: dict, device: str, rounds: int, calls: int, log=print) -> dict:
                 row[f"{label} / {first}"] = [round(statistics.median(ratios), 3), round(min(ratios), 3),
                                              round(max(ratios), 3)]
         rows.append(row)
-    return {"device": device, "rounds": rounds, "calls": calls, "builds": {k: str(v) for k, v in builds.items()},
-            "rows": rows}
+    return {"device": device, "rounds": rounds, "calls": calls, "blocks": blocks,
+            "builds": {k: str(v) for k, v in builds.items()}, "rows": rows}
 
 
 def to_markdown(result: dict) -> str:
@@ -161,6 +180,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--rounds", type=int, default=11)
     p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--blocks", type=int, default=5, help="a round's time is the fastest of this many blocks")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     builds = {}
@@ -171,7 +191,10 @@ def main(argv=None) -> int:
         builds[label] = Path(path).resolve()
     if len(builds) < 2:
         p.error("give at least two --build LABEL=PATH")
-    result = run(builds, args.device, args.rounds, args.calls, log=lambda m: print(m, file=sys.stderr))
+    if args.calls < 1 or args.blocks < 1:
+        p.error(f"--calls {args.calls} --blocks {args.blocks}: expected both at least 1")
+    result = run(builds, args.device, args.rounds, args.calls, min(args.blocks, args.calls),
+                 log=lambda m: print(m, file=sys.stderr))
     md = to_markdown(result)
     print(md)
     if args.out:

@@ -14,12 +14,13 @@ def test_call_cost_runs_on_cpu_and_reports_every_case(build_dir, tmp_path):
     variant = build_dir / "torch-cpu"
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "call_cost.py"), "--build", f"a={variant}",
-                           "--build", f"b={variant}", "--rounds", "2", "--calls", "3", "--out", str(out)],
+                           "--build", f"b={variant}", "--rounds", "2", "--calls", "4", "--blocks", "2",
+                           "--out", str(out)],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((out / "call-cost.json").read_text())
     cases = ["geglu", "geglu autograd", "geglu_packed", "rms_norm", "GeGLUMLP layer", "geglu compiled"]
-    assert [r["case"] for r in result["rows"]] == cases and result["rounds"] == 2
+    assert [r["case"] for r in result["rows"]] == cases and result["rounds"] == 2 and result["blocks"] == 2
     for row in result["rows"]:
         assert row["a us"] > 0 and row["b us"] > 0
         median, low, high = row["b / a"]
@@ -35,3 +36,7 @@ def test_call_cost_needs_two_builds(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "call_cost.py"), "--build", "nolabel"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2 and "expected LABEL=PATH" in proc.stderr
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "call_cost.py"), "--build", f"a={tmp_path}",
+                           "--build", f"b={tmp_path}", "--blocks", "0"], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)
+    assert proc.returncode == 2 and "expected both at least 1" in proc.stderr
