@@ -15,7 +15,7 @@ then downloads the kernel when it first needs a layer, as the tests of the publi
     kernelize(model, mode=Mode.INFERENCE)
 
 Everything the kernel's module defines (:data:`GEGLU_CLASSES`, :data:`NORM_CLASSES`, :data:`ROPE_CLASSES`,
-:func:`classes_markdown`, :class:`ExpertsGate`, ...) is re-exported.
+:class:`ExpertsGate`, ...) is re-exported; :func:`classes_markdown` renders the tables for docs/transformers.md.
 """
 
 from __future__ import annotations
@@ -64,8 +64,83 @@ GEGLU_CLASSES, NORM_CLASSES, ROPE_CLASSES = _src.GEGLU_CLASSES, _src.NORM_CLASSE
 COMPILE_LAYERS = _src.COMPILE_LAYERS
 ExpertsGate, experts_gate = _src.ExpertsGate, _src.experts_gate
 ExpertsGate.__module__ = __name__  # models pickle it as kerneltools.transformers_kernels.ExpertsGate
-is_kernel_gelu, classes_markdown = _src.is_kernel_gelu, _src.classes_markdown
+is_kernel_gelu = _src.is_kernel_gelu
 _forward_taken, _attach_experts_gate = _src._forward_taken, _src._attach_experts_gate
+
+
+# The notes column of docs/transformers.md's class tables, by class name
+_STRIDED = ("CPU: not bit-exact (about 1e-7 relative: eager's CPU erf-GELU rounds differently on the strided chunk "
+            "views), GPU: bit-exact")
+_T5 = "{} with its cast to wo.weight.dtype (T5 keeps wo in fp32)"
+NOTES = {
+    'Gemma3MLP': 'Gemma 3 text and the text part of Gemma 3 multimodal',
+    'Gemma4VisionMLP': 'clippable linears: the clamps stay inside gate/up/down_proj',
+    'RecurrentGemmaMlp': 'projections with biases',
+    'PixtralMLP': "vision encoder; a checkpoint with hidden_act='silu' keeps its own forward",
+    'DINOv3ViTGatedMLP': 'used only with use_gated_mlp=True',
+    'EomtDinov3GatedMLP': 'used only with use_gated_mlp=True',
+    'DiffusionGemmaSelfConditioning': ("forward(inputs_embeds, self_conditioning_signal): the host's pre_norm, the "
+                                       "GeGLU MLP, the sum and the host's post_norm"),
+    'GteMLP': 'down_proj with bias',
+    'Gemma3nTextMLP': "the host's _gaussian_topk runs on the gate first where activation_sparsity > 0",
+    'T5DenseGatedActDense': _T5.format("T5 v1.1 / flan-T5 (feed_forward_proj='gated-gelu')"),
+    'MT5DenseGatedActDense': _T5.format('mT5'),
+    'UMT5DenseGatedActDense': _T5.format('UMT5'),
+    'LongT5DenseGatedActDense': ("with feed_forward_proj='gated-gelu' (the config default is relu: not gated); no "
+                                 'cast, as LongT5'),
+    'UdopDenseGatedActDense': ("with feed_forward_proj='gated-gelu', which gives UDOP dense_act_fn='gelu' (the "
+                               'config default is relu: not gated)'),
+    'ModernBertMLP': 'packed Wi read in place; ' + _STRIDED,
+    'ModernBertDecoderMLP': 'as ModernBertMLP; ' + _STRIDED,
+    'Zamba2MLP': 'packed gate_up_proj plus the per-block LoRA adapter; forward(hidden_state, layer_idx); ' + _STRIDED,
+    'ClvpGatedLinearUnit': 'activation on the second half: h * act(gate); ' + _STRIDED,
+    'CpmAntDenseGatedACT': 'the gated activation only; w_out is applied by the caller',
+    'Gemma4TextExperts': ('MoE experts, every experts implementation (grouped_mm, batched_mm: their _apply_gate '
+                          'runs the function layer GeGLUExpertsGate; eager: GeGLUExperts runs its per-expert loop '
+                          'with the packed gate); CPU: bit-exact with gelu_pytorch_tanh and moe_intermediate_size '
+                          'a multiple of 32 (704 in Gemma 4 26B-A4B), else about 1e-7 relative (strided chunk '
+                          'views), GPU: bit-exact; grouped_mm inference from 2048 routed rows on sm_90: the fused '
+                          'gate/up grouped GEMM (fused_mlp, as GeGLUMLP)'),
+    'DiffusionGemmaTextExperts': 'MoE experts, as Gemma4TextExperts',
+    'Pop2PianoDenseGatedActDense': ('gated ReLU: dense_act_fn defaults to relu even with '
+                                    "feed_forward_proj='gated-gelu'"),
+    'MoshiGatingMLP': "SwiGLU by default (hidden_act='silu'); also per-codebook FlexibleLinear projections",
+    'KyutaiSpeechToTextGatingMLP': 'as MoshiGatingMLP',
+    'Gemma3RMSNorm': 'also q_norm / k_norm (rows of head_dim) and the multimodal projector',
+    'Qwen3NextRMSNorm': "Gemma's form in a SwiGLU model",
+    'Qwen3_5RMSNorm': 'as Qwen3NextRMSNorm',
+    'Qwen3_5MoeRMSNorm': 'as Qwen3NextRMSNorm',
+    'Qwen4ExpTextRMSNorm': 'instances with group_size=None; grouped ones keep their forward',
+    'Gemma3nRMSNorm': 'scale w (not 1 + w), torch.pow(ms, -0.5); instances with with_scale=False have no weight',
+    'Gemma4RMSNorm': "as Gemma3nRMSNorm; also q/k/v_norm and the router's",
+    'Gemma4UnifiedRMSNorm': 'as Gemma3nRMSNorm',
+    'EmbeddingGemma2RMSNorm': 'as Gemma3nRMSNorm',
+    'DiffusionGemmaRMSNorm': 'as Gemma3nRMSNorm',
+    'NeoMMERMSNorm': 'as Gemma3nRMSNorm (its norms have no weight)',
+    'MuseSparkTextCenteredRMSNorm': "(1.0 + weight).float(): the scale is rounded in the weight's dtype",
+    'MuseSparkTextInputScaledRMSNorm': "scales before normalizing, through a round trip to x's dtype",
+    'Gemma3RotaryEmbedding': 'a table per attention type (sliding, full)',
+}
+
+
+def classes_markdown() -> str:
+    """The three class tables as the Markdown of docs/transformers.md, with :data:`NOTES`."""
+    lines = ["| model | class | status | default activation | hub layer | notes |", "|---|---|---|---|---|---|"]
+    for h in GEGLU_CLASSES:
+        layer = f"`{h.layer}`" if h.layer else "–"
+        if h.gate_layer:
+            layer += f" + `{h.gate_layer}`"
+        lines.append(f"| {h.model} | `{h.name}` | {h.status} | {h.activation} | {layer} | {NOTES.get(h.name, '')} |")
+    lines += ["", "Gemma RMSNorm classes (mapped unless `norms=False`; docs/rmsnorm.md):", "",
+              "| model | class | status | hub layer | notes |", "|---|---|---|---|---|"]
+    for h in NORM_CLASSES:
+        layer = f"`{h.layer}`" if h.layer else "–"
+        lines.append(f"| {h.model} | `{h.name}` | {h.status} | {layer} | {NOTES.get(h.name, '')} |")
+    lines += ["", "Gemma rotary embeddings (mapped unless `rope=False`; eager keeps their forward, "
+              "torch.compile gets cos and sin from one op):", "", "| model | class | hub layer | notes |", "|---|---|---|---|"]
+    for h in ROPE_CLASSES:
+        lines.append(f"| {h.model} | `{h.name}` | `{h.layer}` | {NOTES.get(h.name, '')} |")
+    return "\n".join(lines) + "\n"
 
 
 def register_geglu_kernels(repo_id: str = DEFAULT_REPO_ID, *, version: int | None = 1, revision: str | None = None,

@@ -53,7 +53,7 @@ if importlib.util.find_spec("transformers") is None:
     pytest.skip("transformers is not installed", allow_module_level=True)
 
 from kerneltools.transformers_kernels import (  # noqa: E402
-    COMPILE_LAYERS, GEGLU_CLASSES, KEY_PREFIX, NORM_CLASSES, NOT_SUPPORTED, ROPE_CLASSES, classes_markdown)
+    COMPILE_LAYERS, GEGLU_CLASSES, KEY_PREFIX, NORM_CLASSES, NOT_SUPPORTED, NOTES, ROPE_CLASSES, classes_markdown)
 
 REPO_ID = GEGLU_REPO
 RTOL = 1e-5
@@ -148,6 +148,8 @@ def test_docs_list_every_class_with_its_status():
     text = (REPO_ROOT / "docs/transformers.md").read_text()
     assert classes_markdown() in text, "docs/transformers.md's table differs from GEGLU_CLASSES: regenerate it " \
                                        "(classes_markdown())"
+    stale = set(NOTES) - {h.name for h in GEGLU_CLASSES + NORM_CLASSES + ROPE_CLASSES}
+    assert not stale, f"NOTES names classes no table holds: {sorted(stale)}"
     assert "docs/transformers.md#geglu-classes-of-transformers" in (REPO_ROOT / "README.md").read_text()
 
 

@@ -15,7 +15,7 @@ import torch
 
 from . import _activations as _ACTIVATIONS
 from ._transformer_classes import (GEGLU_CLASSES, KEY_PREFIX, NORM_CLASSES, NOT_SUPPORTED,  # noqa: F401
-                                  ROPE_CLASSES, SUPPORTED, SUPPORTED_APPROX, HostClass, classes_markdown)
+                                  ROPE_CLASSES, SUPPORTED, SUPPORTED_APPROX, HostClass)
 
 # rope types whose inv_freq the host's forward updates
 _DYNAMIC_ROPE = frozenset({"dynamic", "longrope"})
@@ -50,7 +50,6 @@ def _norm_eps(module):
 
 def _norm_condition(module) -> bool:
     """A 1-D weight, a float eps, no ``group_size`` and a forward nobody else has replaced."""
-    import torch
     weight = getattr(module, "weight", None)
     return (isinstance(weight, torch.Tensor) and weight.dim() == 1 and isinstance(_norm_eps(module), float)
             and getattr(module, "group_size", None) is None and not _forward_taken(module))
@@ -58,7 +57,6 @@ def _norm_condition(module) -> bool:
 
 def _scaled_norm_condition(module) -> bool:
     """A float eps; a 1-D weight if ``with_scale``, else ``with_scale is False``; a forward nobody else replaced."""
-    import torch
     with_scale = getattr(module, "with_scale", None)
     weight = getattr(module, "weight", None)
     scale_ok = (isinstance(weight, torch.Tensor) and weight.dim() == 1) if with_scale else with_scale is False
