@@ -49,7 +49,7 @@ def compile_(fn, cfg, const, descs):
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False))
     ptx = k.asm["ptx"]
-    return dict(config=cfg.label(), wgmma="wgmma.mma_async" in ptx, tma="cp.async.bulk.tensor" in ptx,
+    return dict(config=str(cfg), wgmma="wgmma.mma_async" in ptx, tma="cp.async.bulk.tensor" in ptx,
                 shared=k.metadata.shared)
 
 

@@ -38,16 +38,16 @@ def test_flat_plan(mods):
     packed = torch.zeros(8, 128)
     assert not tr._flat(8, 64, packed[:, :64], a)
     assert tr._flat(1, 64, packed[:1, :64], a[:1])  # one row: flat whatever the row stride
-    tr._PLANS.clear()
+    tr._flat_plan.cache_clear()
     block = tr.FLAT_TILES[2][0]
     t = torch.zeros(2, dtype=torch.bfloat16)
-    grid, blk, warps, even, wide = tr._flat_plan(4096 * block, t)
+    grid, blk, warps, even, wide = tr._flat_plan(4096 * block, t.element_size(), t.device)
     assert (blk, even, wide) == (block, True, False) and grid == (4096,)
-    _, _, _, even, _ = tr._flat_plan(4096 * block + 3, t)
+    _, _, _, even, _ = tr._flat_plan(4096 * block + 3, t.element_size(), t.device)
     assert not even
-    _, _, _, _, wide = tr._flat_plan(2**31, t)
+    _, _, _, _, wide = tr._flat_plan(2**31, t.element_size(), t.device)
     assert wide  # 64-bit offsets from 2^31 - block elements on
-    grid, blk, _, _, _ = tr._flat_plan(1000, t)  # small: narrower blocks, so that several programs run
+    grid, blk, _, _, _ = tr._flat_plan(1000, t.element_size(), t.device)  # small: narrower blocks, so that several programs run
     assert blk < block and grid[0] * blk >= 1000
 
 

@@ -173,3 +173,12 @@ def test_no_gpu_name_or_commit_id_in_the_package():
                 if hit:
                     bad.append(f"{p.relative_to(PACKAGE)}:{i}: {hit.group(0)!r} in {line.strip()[:100]}")
     assert not bad, "\n".join(bad)
+
+
+MAX_FILE_LINES = 400
+
+
+def test_no_file_of_the_package_is_over_400_lines():
+    long = {str(p.relative_to(PACKAGE)): n for p in _modules().values() if (n := len(p.read_text().splitlines()))
+            > MAX_FILE_LINES}
+    assert not long, f"split these by concern (at most {MAX_FILE_LINES} lines a file): {long}"

@@ -81,12 +81,12 @@ def plans_not_prebuilt() -> list:
             for N in (128, 256, 704, 768, 1152, 2048, 2304, 2816, 9216, 10240, 14336, 21504):
                 for tanh in (False, True):
                     if M * N < 2 ** 31 - 4096:
-                        grid, block, warps, even, wide = tri._flat_plan(M * N, t)
+                        grid, block, warps, even, wide = tri._flat_plan(M * N, t.element_size(), t.device)
                         for fn, k in ((tri._geglu_fwd_flat_kernel, kf), (tri._geglu_bwd_flat_kernel, kb)):
                             key = _k(fn, (tanh, block, even, wide) + k, warps)
                             if key not in have:
                                 missing.append(("flat", M, N, dtype, key[:2]))
-                    grid, bm, bn, warps = tri._plan(M, N, t, 3)
+                    grid, bm, bn, warps = tri._plan(M, N, t.element_size(), t.device, 3)
                     for fn, k in ((tri._geglu_fwd_kernel, kf), (tri._geglu_bwd_kernel, kb)):
                         if _k(fn, (tanh, bm, bn) + k, warps) not in have:
                             missing.append(("rows", M, N, dtype, bm, bn))

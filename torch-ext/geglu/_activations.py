@@ -32,11 +32,7 @@ def _learn(cls: type, flavour: str) -> None:
 
 def _by_name(cls: type) -> Optional[str]:
     name = cls.__name__
-    if name in TANH_CLASSES:
-        return "tanh"
-    if name in ERF_CLASSES:
-        return "none"
-    return None
+    return "tanh" if name in TANH_CLASSES else "none" if name in ERF_CLASSES else None
 
 
 def _scan_transformers() -> None:

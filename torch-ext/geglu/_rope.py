@@ -36,6 +36,3 @@ def rope_cos_sin(position_ids: Tensor, inv_freq: Tensor, attention_scaling: floa
 def _(position_ids, inv_freq, attention_scaling, dtype):
     shape = (*position_ids.shape, 2 * inv_freq.shape[0])
     return position_ids.new_empty(shape, dtype=dtype), position_ids.new_empty(shape, dtype=dtype)
-
-
-__all__ = ["rope_cos_sin", "ROPE_OP_MIN_ROWS"]

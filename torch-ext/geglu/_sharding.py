@@ -10,9 +10,9 @@ local shard. A rule lists, per mesh dim, the placements under which the op is co
   keep the written arguments' placements; where none can, ``NotImplementedError`` names the out-of-place form
   (DTensor itself raises for an in-place backward whose ``grad`` is placed unlike ``gate``/``up``).
 
-``RULES``: op name -> rule (``pointwise``, ``packed``, or ``explicit(fn)``: ``fn`` of the op's arguments, DTensor
-specs for tensors, returns ``[(output placements, input placements), ...]``, ``None`` for non-tensors). Ops missing
-from the build are skipped; without ``torch.distributed``, ``AVAILABLE = False`` and nothing registers.
+``RULES``: op name -> rule (:func:`pointwise` or :func:`packed`: a function of the op's arguments, DTensor specs for
+tensors, returning ``[(output placements, input placements), ...]``, ``None`` for non-tensors). Ops missing from
+the build are skipped; without ``torch.distributed``, ``AVAILABLE = False`` and nothing registers.
 """
 
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -69,6 +69,18 @@ def _keep_placements(op_name: str, strategies: Strategies, args: Sequence, writt
     return kept
 
 
+def _finish(op_name: str, out: Strategies, args: Sequence, n_in: int, n_out: int, extra: list,
+            linear_in: Optional[int], writes: Sequence[int]) -> Strategies:
+    """``out`` plus, for an out-of-place op linear in ``args[linear_in]``, that input Partial (the others Replicate)
+    with Partial outputs; for an op with ``writes``, only the strategies that keep those arguments in place."""
+    if linear_in is not None and not writes:
+        for p in _partials(args[linear_in]):
+            ins = [Replicate()] * n_in
+            ins[linear_in] = p
+            out.append(([p] * n_out, ins + extra))
+    return _keep_placements(op_name, out, args, writes) if writes else out
+
+
 def pointwise(n_tensors: int, n_out: int, linear_in: Optional[int] = None, writes: Sequence[int] = ()) -> Rule:
     """Rule of an elementwise op whose first ``n_tensors`` arguments and ``n_out`` outputs share one shape: all
     Replicate or all Shard(d); with ``linear_in`` (and no ``writes``), that input Partial and the others Replicate give
@@ -80,12 +92,7 @@ def pointwise(n_tensors: int, n_out: int, linear_in: Optional[int] = None, write
         out: Strategies = [([Replicate()] * n_out, [Replicate()] * n_tensors + extra)]
         for d in range(ref.ndim):
             out.append(([Shard(d)] * n_out, [Shard(d)] * n_tensors + extra))
-        if linear_in is not None and not writes:
-            for p in _partials(args[linear_in]):
-                ins = [Replicate()] * n_tensors
-                ins[linear_in] = p
-                out.append(([p] * n_out, ins + extra))
-        return _keep_placements(rule.op_name, out, args, writes) if writes else out
+        return _finish(rule.op_name, out, args, n_tensors, n_out, extra, linear_in, writes)
 
     return rule
 
@@ -109,21 +116,7 @@ def packed(roles: Sequence[str], outs: Sequence[str], linear_in: Optional[int] =
             out.append(([Shard(d)] * len(outs), [Shard(d)] * n + extra))
         if _StridedShard is not None:
             out.append(([last(r) for r in outs], [last(r) for r in roles] + extra))
-        if linear_in is not None and not writes:
-            for p in _partials(args[linear_in]):
-                ins = [Replicate()] * n
-                ins[linear_in] = p
-                out.append(([p] * len(outs), ins + extra))
-        return _keep_placements(rule.op_name, out, args, writes) if writes else out
-
-    return rule
-
-
-def explicit(fn: Rule) -> Rule:
-    """A rule given as a function of the op's arguments returning ``[(output placements, input placements)]``."""
-
-    def rule(*args, **kwargs) -> Strategies:
-        return fn(*args, **kwargs)
+        return _finish(rule.op_name, out, args, n, len(outs), extra, linear_in, writes)
 
     return rule
 
@@ -153,5 +146,3 @@ def _register() -> List[str]:
 
 
 REGISTERED: List[str] = _register() if AVAILABLE else []
-
-__all__ = ["AVAILABLE", "RULES", "REGISTERED", "pointwise", "packed", "explicit"]

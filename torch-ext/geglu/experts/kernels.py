@@ -15,7 +15,7 @@ from ..mlp.kernels import INTERPRETER, Config, run_gemm, tma_aligned, tma_suppor
 from ..mlp.tiles import geglu_epilogue, split_halves
 from ..runtime import aot as _aot
 from ..runtime.gelu_math import INTERPRET, K_ALPHA, K_BETA_TANH, K_KAPPA
-from ..runtime.launch import desc_arg, prebuild, sm_count
+from ..runtime.launch import desc_type, prebuild, sm_count
 
 
 @triton.jit
@@ -63,9 +63,7 @@ def grouped_consts(tanh: bool, cfg: Config) -> tuple:
 
 
 def default_config(S: int, E: int) -> Config:
-    if INTERPRET:
-        return INTERPRETER_CFG
-    return SMALL_M if S <= 256 * E else LARGE
+    return INTERPRETER_CFG if INTERPRET else SMALL_M if S <= 256 * E else LARGE
 
 
 def applies(x: torch.Tensor, gate_up_proj: torch.Tensor) -> bool:
@@ -137,14 +135,10 @@ def prebuild_launches() -> list:
     for dt in ("bf16", "fp16"):
         for cfg in (LARGE, SMALL_M):
             bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-            for width_hint in (True, False):
-                args = ([desc_arg("x_desc", dt, [bm, bk]), desc_arg("w_desc", dt, [1, 2, bn, bk]),
-                         ("out_ptr", f"*{dt}", True)]
-                        + [(n, "*i32", True) for n in ("tile_expert_ptr", "tiles_end_ptr", "m_tiles_ptr",
-                                                        "offsets_ptr")]
-                        + [("S", "i32", False), ("E", "i32", False), ("N", "i32", width_hint),
-                           ("stride_o", "i32", width_hint), ("K", "i32", False), ("bound", "i32", False)])
+            types = dict(x_desc=desc_type(dt, [bm, bk]), w_desc=desc_type(dt, [1, 2, bn, bk]), tile_expert_ptr="*i32",
+                         tiles_end_ptr="*i32", m_tiles_ptr="*i32", offsets_ptr="*i32")
+            for hinted in (("N", "stride_o"), ()):
                 for tanh in (False, True):
-                    out.append(prebuild(_grouped_geglu_kernel, args, grouped_consts(tanh, cfg), cfg.num_warps,
-                                        cfg.num_stages))
+                    out.append(prebuild(_grouped_geglu_kernel, grouped_consts(tanh, cfg), cfg.num_warps,
+                                        cfg.num_stages, dtype=dt, hinted=hinted, types=types))
     return out

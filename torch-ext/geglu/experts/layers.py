@@ -2,6 +2,8 @@
 ``_apply_gate``) and :class:`GeGLUExperts` (their forward).
 """
 
+import functools
+
 import torch
 from torch import nn
 
@@ -21,8 +23,7 @@ class GeGLUExpertsGate(HubLayer):
         return gated_packed(act_fn, gate_up, act_first=True)
 
 
-def _experts_gate(act_fn, gate_up: torch.Tensor) -> torch.Tensor:
-    return gated_packed(act_fn, gate_up, act_first=True)
+_experts_gate = functools.partial(gated_packed, act_first=True)  # gate(act_fn, gate_up), as GeGLUExpertsGate
 
 
 class GeGLUExperts(HubLayer):

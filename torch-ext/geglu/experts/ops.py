@@ -94,9 +94,7 @@ def fused_forward(experts, hidden_states, top_k_index, top_k_weights, approximat
     from ..runtime import config as _config
     if approximate is None or not _config.current.fused_mlp or hidden_states.dim() != 2:
         return None
-    rows = top_k_index.numel()
-    implementation = getattr(getattr(experts, "config", None), "_experts_implementation", None)
-    if implementation != "grouped_mm":
+    if getattr(getattr(experts, "config", None), "_experts_implementation", None) != "grouped_mm":
         return None
     if torch.is_grad_enabled() and any(t.requires_grad for t in (hidden_states, top_k_weights, experts.gate_up_proj,
                                                                    experts.down_proj)):
@@ -104,9 +102,8 @@ def fused_forward(experts, hidden_states, top_k_index, top_k_weights, approximat
     dev = hidden_states.device
     if dev.type != "cuda" and (dev.type != "cpu" or _config.current.backend != "triton"):
         return None
-    if not fused_rule(rows, dev):
-        return None
-    if not _plain_grouped(experts) or experts.down_proj.dtype != hidden_states.dtype:
+    if (not fused_rule(top_k_index.numel(), dev) or not _plain_grouped(experts)
+            or experts.down_proj.dtype != hidden_states.dtype):
         return None
     try:
         from . import kernels as _experts_triton

@@ -141,14 +141,3 @@ def geglu_mlp_op(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, approx
 def _(x, w_gate, w_up, w_down, approximate):
     _check(x, w_gate, w_up, w_down, approximate)
     return x.new_empty(x.shape[:-1] + (w_down.shape[0],))
-
-
-def _rows(x: Tensor) -> int:
-    n = 1
-    for s in x.shape[:-1]:
-        n = n * s
-    return n
-
-
-__all__ = ["inference", "regular", "fused_rule", "fused_kernel_applies", "geglu_mlp_op", "traced_op", "DECODE_MAX_M",
-           "FUSED_RULES"]

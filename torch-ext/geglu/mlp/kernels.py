@@ -9,7 +9,7 @@ import triton
 
 from ..runtime import aot as _aot
 from ..runtime.gelu_math import INTERPRET, K_ALPHA, K_BETA_TANH, K_KAPPA
-from ..runtime.launch import NULL_CONTEXT, desc_arg, prebuild, prebuilt, sm_count
+from ..runtime.launch import NULL_CONTEXT, desc_type, prebuild, prebuilt, sm_count
 from .tiles import _gate_up_geglu_kernel, _paired_gate_up_geglu_kernel
 
 try:  # host-side TMA descriptors (triton >= 3.4)
@@ -30,18 +30,6 @@ class Config(NamedTuple):
     tma: bool = True  # TMA descriptors where the device and the strides allow them
     fast_epi: bool = False  # GeGLU of the fp32 accumulators with hardware approximations, rounded once
     pair: bool = False  # the paired kernel (one N = 2 * BLOCK_N dot per K step) where `pair_layout` allows
-
-    def label(self) -> str:
-        s = f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages} g{self.group_m}"
-        if self.persistent:
-            s += " persistent" + (" flat" if self.flatten else "")
-        if not self.tma:
-            s += " ptr"
-        if self.fast_epi:
-            s += " fast-epi"
-        if self.pair:
-            s += " pair"
-        return s
 
 
 # Shared memory per stage: (BLOCK_M + 2 * BLOCK_N) * BLOCK_K * 2 bytes.
@@ -74,11 +62,8 @@ def tma_aligned(t: torch.Tensor) -> bool:
 
 
 def tma_supported(device: torch.device) -> bool:
-    if TensorDescriptor is None:
-        return False
-    if INTERPRET:
-        return True
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return TensorDescriptor is not None and (INTERPRET or (device.type == "cuda"
+                                                           and torch.cuda.get_device_capability(device)[0] >= 9))
 
 
 def gate_up_geglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, tanh: bool,
@@ -192,18 +177,15 @@ def prebuild_launches() -> list:
         for cfg, paired in ((inference_config(4096), True), (inference_config(4096), False),
                             (inference_config(128), False)):
             bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-            sizes = [(n, "i32", False) for n in ("M", "N", "K")]
+            x, o = desc_type(dt, [bm, bk]), desc_type(dt, [bm, bn])
             for tanh in (False, True):
                 if paired:
-                    args = [desc_arg("x_ptr", dt, [bm, bk]), desc_arg("w_ptr", dt, [2, bn, bk]),
-                            desc_arg("out_ptr", dt, [bm, bn])] + sizes
+                    types = dict(x_ptr=x, w_ptr=desc_type(dt, [2, bn, bk]), out_ptr=o)
                     for gate_first in (True, False):
-                        out.append(prebuild(_paired_gate_up_geglu_kernel, args, paired_consts(tanh, gate_first, cfg),
-                                            cfg.num_warps, cfg.num_stages))
+                        out.append(prebuild(_paired_gate_up_geglu_kernel, paired_consts(tanh, gate_first, cfg),
+                                            cfg.num_warps, cfg.num_stages, types=types))
                 else:
-                    args = ([desc_arg(n, dt, blk) for n, blk in (("x_ptr", [bm, bk]), ("wg_ptr", [bn, bk]),
-                                                                 ("wu_ptr", [bn, bk]), ("out_ptr", [bm, bn]))]
-                            + sizes + [(n, "i32", False) for n in ("stride_x", "stride_wg", "stride_wu", "stride_o")])
-                    out.append(prebuild(_gate_up_geglu_kernel, args, gate_up_consts(tanh, True, cfg),
-                                        cfg.num_warps, cfg.num_stages))
+                    w = desc_type(dt, [bn, bk])
+                    out.append(prebuild(_gate_up_geglu_kernel, gate_up_consts(tanh, True, cfg), cfg.num_warps,
+                                        cfg.num_stages, types=dict(x_ptr=x, wg_ptr=w, wu_ptr=w, out_ptr=o)))
     return out

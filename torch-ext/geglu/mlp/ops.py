@@ -38,6 +38,3 @@ def _host(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, approximate: 
     gate = F.linear(x, w_gate)
     h = (act(gate) if act is not None else F.gelu(gate, approximate=approximate)) * F.linear(x, w_up)
     return F.linear(h, w_down)
-
-
-__all__ = ["geglu_mlp"]

@@ -4,6 +4,7 @@ g, u, h [M, H] (through ``save_for_backward`` only under saved-tensor hooks); it
 3 [M, H] buffers live), so it runs once: ``retain_graph=True`` raises.
 """
 
+import math
 from typing import Tuple
 
 import torch
@@ -13,7 +14,7 @@ from ..pointwise import ops as _pw
 from ..runtime import backend as _backend
 from ..runtime import library as _library
 from .._ops import add_op_namespace_prefix
-from .inference import _FLOATS, _check, _rows
+from .inference import _FLOATS, _check
 
 
 def host_bound(x: Tensor, w_gate: Tensor) -> bool:
@@ -45,15 +46,20 @@ def _hooks_active() -> bool:
     return _top_hooks is None or _top_hooks(False) is not None
 
 
+def _forward(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, approximate: str):
+    """(y [..., D_out], g, u, h [M, H]) with eager's GEMM calls (F.linear's matmul of [..., D] as [M, D])."""
+    x2 = x.reshape(-1, x.shape[-1])
+    g = torch.mm(x2, w_gate.t())
+    u = torch.mm(x2, w_up.t())
+    h = torch.empty_like(g)
+    _pw.forward_into(h, g, u, approximate, True)
+    return torch.mm(h, w_down.t()).view(x.shape[:-1] + (w_down.shape[0],)), g, u, h
+
+
 class GeGLUMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down, approximate):
-        x2 = x.reshape(-1, x.shape[-1])  # what F.linear's matmul does with [..., D]
-        g = torch.mm(x2, w_gate.t())
-        u = torch.mm(x2, w_up.t())
-        h = torch.empty_like(g)
-        _pw.forward_into(h, g, u, approximate, True)
-        y = torch.mm(h, w_down.t())
+        y, g, u, h = _forward(x, w_gate, w_up, w_down, approximate)
         ctx.approximate = approximate
         ctx.ran = False
         if _hooks_active():
@@ -62,7 +68,7 @@ class GeGLUMLPFunction(torch.autograd.Function):
         else:
             ctx.save_for_backward(x, w_gate, w_up, w_down)
             ctx.held = [g, u, h]
-        return y.view(x.shape[:-1] + (w_down.shape[0],))
+        return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -110,19 +116,13 @@ def geglu_mlp_train(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
                     approximate: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """The training forward: (y [..., D_out], g, u, h [M, H]), the activations the backward needs."""
     _check(x, w_gate, w_up, w_down, approximate)
-    x2 = x.reshape(-1, x.shape[-1])
-    g = torch.mm(x2, w_gate.t())
-    u = torch.mm(x2, w_up.t())
-    h = torch.empty_like(g)
-    _pw.forward_into(h, g, u, approximate, True)
-    y = torch.mm(h, w_down.t())
-    return y.view(x.shape[:-1] + (w_down.shape[0],)), g, u, h
+    return _forward(x, w_gate, w_up, w_down, approximate)
 
 
 @geglu_mlp_train.register_fake
 def _(x, w_gate, w_up, w_down, approximate):
     _check(x, w_gate, w_up, w_down, approximate)
-    M, H = _rows(x), w_gate.shape[0]
+    M, H = math.prod(x.shape[:-1]), w_gate.shape[0]
     return (x.new_empty(x.shape[:-1] + (w_down.shape[0],)), x.new_empty((M, H)), x.new_empty((M, H)),
             x.new_empty((M, H)))
 
@@ -173,5 +173,3 @@ def _train_backward(ctx, dy, *_activation_grads):
 
 
 geglu_mlp_train.register_autograd(_train_backward, setup_context=_train_setup)
-
-__all__ = ["node_applies", "host_bound", "GeGLUMLPFunction", "geglu_mlp_train", "geglu_mlp_train_backward"]

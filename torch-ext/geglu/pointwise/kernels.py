@@ -5,6 +5,8 @@ storage dtype, then the product in fp32, rounded. Tensors are 2-D ``[M, N]`` wit
 last dim (packed halves and chunk views need no copy); offsets are 64-bit. Contiguous operands take the flat kernels.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -12,8 +14,6 @@ import triton.language as tl
 from ..runtime.gelu_math import (INTERPRET, K_3KAPPA, K_ALPHA, K_BETA_ERF, K_BETA_TANH, K_KAPPA,  # noqa: F401
                                  gelu, gelu_grad, round_to)
 from ..runtime.launch import device_guard, launch, next_pow2, pow2_up_to, prebuild, sm_count
-
-_PLANS = {}
 
 
 @triton.jit
@@ -129,35 +129,26 @@ def _tiles(M: int, N: int, element_size: int, device: torch.device, tensors: int
     return block_m, block_n, num_warps
 
 
-def _plan(M: int, N: int, t: torch.Tensor, tensors: int):
+@functools.lru_cache(maxsize=4096)
+def _plan(M: int, N: int, element_size: int, device: torch.device, tensors: int):
     """(grid, block_m, block_n, num_warps), cached per shape."""
-    key = (M, N, t.element_size(), t.device, tensors)
-    plan = _PLANS.get(key)
-    if plan is None:
-        block_m, block_n, num_warps = _tiles(M, N, t.element_size(), t.device, tensors)
-        plan = ((triton.cdiv(M, block_m), triton.cdiv(N, block_n)), block_m, block_n, num_warps)
-        if len(_PLANS) < 4096:
-            _PLANS[key] = plan
-    return plan
+    block_m, block_n, num_warps = _tiles(M, N, element_size, device, tensors)
+    return (triton.cdiv(M, block_m), triton.cdiv(N, block_n)), block_m, block_n, num_warps
 
 
 # Flat kernels: (elements per program, warps) for 2-byte and 4-byte dtypes.
 FLAT_TILES = {2: (2048, 4), 4: (1024, 4)}
 
 
-def _flat_plan(n: int, t: torch.Tensor):
-    key = (n, t.element_size(), t.device, "flat")
-    plan = _PLANS.get(key)
-    if plan is None:
-        block, num_warps = FLAT_TILES[2 if t.element_size() <= 2 else 4]
-        sms = sm_count(t.device)
-        while block > 256 and triton.cdiv(n, block) < 2 * sms:
-            block //= 2
-            num_warps = max(1, min(num_warps, block // 256))
-        plan = ((triton.cdiv(n, block),), block, num_warps, n % block == 0, n >= 2**31 - block)
-        if len(_PLANS) < 4096:
-            _PLANS[key] = plan
-    return plan
+@functools.lru_cache(maxsize=4096)
+def _flat_plan(n: int, element_size: int, device: torch.device):
+    """(grid, block, num_warps, even, wide) of the flat kernels for ``n`` elements, cached."""
+    block, num_warps = FLAT_TILES[2 if element_size <= 2 else 4]
+    sms = sm_count(device)
+    while block > 256 and triton.cdiv(n, block) < 2 * sms:
+        block //= 2
+        num_warps = max(1, min(num_warps, block // 256))
+    return (triton.cdiv(n, block),), block, num_warps, n % block == 0, n >= 2**31 - block
 
 
 def _flat(M: int, N: int, *tensors: torch.Tensor) -> bool:
@@ -178,11 +169,11 @@ def geglu_fwd(out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, tanh: boo
     consts_tail = (K_BETA_TANH, K_KAPPA, K_ALPHA)
     with device_guard(gate):
         if _flat(M, N, out, gate, up):
-            grid, block, num_warps, even, wide = _flat_plan(M * N, gate)
+            grid, block, num_warps, even, wide = _flat_plan(M * N, gate.element_size(), gate.device)
             launch(_geglu_fwd_flat_kernel, grid, (gate, up, out, M * N), (tanh, block, even, wide) + consts_tail,
                     num_warps, gate.device)
             return
-        grid, block_m, block_n, num_warps = _plan(M, N, gate, 3)
+        grid, block_m, block_n, num_warps = _plan(M, N, gate.element_size(), gate.device, 3)
         launch(_geglu_fwd_kernel, grid, (gate, up, out, M, N, gate.stride(0), up.stride(0), out.stride(0)),
                 (tanh, block_m, block_n) + consts_tail, num_warps, gate.device)
 
@@ -196,11 +187,11 @@ def geglu_bwd(d_gate: torch.Tensor, d_up: torch.Tensor, grad: torch.Tensor, gate
     consts_tail = (K_BETA_TANH, K_KAPPA, K_ALPHA, K_BETA_ERF, K_3KAPPA)
     with device_guard(gate):
         if _flat(M, N, d_gate, d_up, grad, gate, up):
-            grid, block, num_warps, even, wide = _flat_plan(M * N, gate)
+            grid, block, num_warps, even, wide = _flat_plan(M * N, gate.element_size(), gate.device)
             launch(_geglu_bwd_flat_kernel, grid, (grad, gate, up, d_gate, d_up, M * N),
                     (tanh, block, even, wide) + consts_tail, num_warps, gate.device)
             return
-        grid, block_m, block_n, num_warps = _plan(M, N, gate, 5)
+        grid, block_m, block_n, num_warps = _plan(M, N, gate.element_size(), gate.device, 5)
         launch(_geglu_bwd_kernel, grid,
                 (grad, gate, up, d_gate, d_up, M, N, grad.stride(0), gate.stride(0), up.stride(0), d_gate.stride(0),
                  d_up.stride(0)), (tanh, block_m, block_n) + consts_tail, num_warps, gate.device)
@@ -217,6 +208,7 @@ def prebuild_launches() -> list:
     out = []
     kf = (K_BETA_TANH, K_KAPPA, K_ALPHA)
     kb = kf + (K_BETA_ERF, K_3KAPPA)
+    row_hints = ("N", "stride_g", "stride_u", "stride_o", "stride_dy", "stride_dg", "stride_du")
     for dt in ("bf16", "fp16", "fp32"):
         es = 4 if dt == "fp32" else 2
         block, warps = FLAT_TILES[es]
@@ -227,32 +219,18 @@ def prebuild_launches() -> list:
                 break
             block //= 2
             warps = max(1, min(warps, block // 256))
-        p = f"*{dt}"
         per_program = 2048 if es <= 2 else 1024
         for tanh in (False, True):
             for block, warps in flat_plans:
                 for even in (True, False):
-                    for n_hint in ((True,) if even else (True, False)):
-                        out.append(prebuild(_geglu_fwd_flat_kernel,
-                                            [("gate_ptr", p, True), ("up_ptr", p, True), ("out_ptr", p, True),
-                                             ("n", "i32", n_hint)], (tanh, block, even, False) + kf, warps))
-                        out.append(prebuild(_geglu_bwd_flat_kernel,
-                                            [("grad_ptr", p, True), ("gate_ptr", p, True), ("up_ptr", p, True),
-                                             ("dg_ptr", p, True), ("du_ptr", p, True), ("n", "i32", n_hint)],
-                                            (tanh, block, even, False) + kb, warps))
+                    for hinted in ((("n",),) if even else (("n",), ())):  # n divisible by 16, or not
+                        out.append(prebuild(_geglu_fwd_flat_kernel, (tanh, block, even, False) + kf, warps, dtype=dt,
+                                            hinted=hinted))
+                        out.append(prebuild(_geglu_bwd_flat_kernel, (tanh, block, even, False) + kb, warps, dtype=dt,
+                                            hinted=hinted))
             for block_n in (128, 256, 512, 1024):
                 for block_m in pow2_up_to(per_program // block_n):
                     warps = 4 if block_m * block_n >= 1024 else 2 if block_m * block_n >= 256 else 1
-                    out.append(prebuild(_geglu_fwd_kernel,
-                                        [("gate_ptr", p, True), ("up_ptr", p, True), ("out_ptr", p, True),
-                                         ("M", "i32", False), ("N", "i32", True), ("stride_g", "i32", True),
-                                         ("stride_u", "i32", True), ("stride_o", "i32", True)],
-                                        (tanh, block_m, block_n) + kf, warps))
-                    out.append(prebuild(_geglu_bwd_kernel,
-                                        [("grad_ptr", p, True), ("gate_ptr", p, True), ("up_ptr", p, True),
-                                         ("dg_ptr", p, True), ("du_ptr", p, True), ("M", "i32", False),
-                                         ("N", "i32", True)]
-                                        + [(s, "i32", True) for s in ("stride_dy", "stride_g", "stride_u",
-                                                                       "stride_dg", "stride_du")],
-                                        (tanh, block_m, block_n) + kb, warps))
+                    for fn, k in ((_geglu_fwd_kernel, kf), (_geglu_bwd_kernel, kb)):
+                        out.append(prebuild(fn, (tanh, block_m, block_n) + k, warps, dtype=dt, hinted=row_hints))
     return out

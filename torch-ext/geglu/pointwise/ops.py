@@ -20,14 +20,20 @@ from . import cpu as _cpu
 _triton = _backend.lazy_module(".kernels", __package__)
 
 
-def _rows(t: Tensor, n: int) -> Tensor:
-    """``t[..., n]`` as 2-D ``[M, n]`` rows with one row stride: a view where the leading dims allow, else a copy."""
+def _row_view(t: Tensor, n: int):
+    """``t[..., n]`` as a 2-D ``[M, n]`` view with one row stride, or None where the leading dims do not flatten."""
     if t.dim() == 2:
         return t
     try:
         return t.view(-1, n)
     except RuntimeError:
-        return t.reshape(-1, n)
+        return None
+
+
+def _rows(t: Tensor, n: int) -> Tensor:
+    """:func:`_row_view`, else a copy."""
+    v = _row_view(t, n)
+    return v if v is not None else t.reshape(-1, n)
 
 
 _CUDA_FWD = ops.geglu_fwd.default if _backend.HAS_CUDA_LIB else None
@@ -96,13 +102,7 @@ def forward_into(out: Tensor, gate: Tensor, up: Tensor, approximate: str, fresh_
         return
     d = gate.shape[-1]
     g2, u2 = _rows(gate, d), _rows(up, d)
-    if out.dim() == 2:
-        out2 = out
-    else:
-        try:
-            out2 = out.view(-1, d)
-        except RuntimeError:
-            out2 = None
+    out2 = _row_view(out, d)
     if out2 is not None:
         _run_fwd(out2, g2, u2, approximate, fresh_out)
     else:  # out's leading dims do not flatten: compute, then copy
@@ -120,13 +120,7 @@ def backward_into(d_gate: Tensor, d_up: Tensor, grad: Tensor, gate: Tensor, up: 
 
 
 def _viewable(t: Tensor, d: int) -> bool:
-    if t.numel() == 0:
-        return True
-    try:
-        t.view(-1, d)
-        return True
-    except RuntimeError:
-        return False
+    return t.numel() == 0 or _row_view(t, d) is not None
 
 
 _empty_like, _contiguous = torch.empty_like, torch.contiguous_format

@@ -12,11 +12,13 @@ and any row stride (64-bit offsets); rows up to ``MAX_FUSED_D`` stay in register
 ``CHUNK``-wide slices. dw is deterministic: fp32 per-program partials, summed in a fixed order.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from ..runtime.gelu_math import INTERPRET, round_to
+from ..runtime.gelu_math import INTERPRET, round_to  # noqa: F401  (INTERPRET: read by rmsnorm.ops)
 from ..runtime.launch import device_guard, launch, next_pow2, pow2_up_to, prebuild, sm_count
 
 MAX_FUSED_D = 16384  # widest row kept in registers (power of two)
@@ -152,77 +154,52 @@ def _dw_kernel(dwp_ptr, dw_ptr, G, D, BLOCK_G: tl.constexpr, BLOCK_C: tl.constex
     tl.store(dw_ptr + cols, round_to(tl.sum(acc, axis=0), dw_ptr.dtype.element_ty), mask=cmask)
 
 
-_PLANS = {}
-_F32 = {}
-
-
+@functools.lru_cache(maxsize=4096)
 def f32(v: float) -> float:
     """``v`` rounded to fp32, cached."""
-    r = _F32.get(v)
-    if r is None:
-        r = torch.tensor(v, dtype=torch.float32).item()
-        if len(_F32) < 4096:
-            _F32[v] = r
-    return r
+    return torch.tensor(v, dtype=torch.float32).item()
 
 
+@functools.lru_cache(maxsize=4096)
 def inv_d(D: int) -> float:
     """fl(1/D) in fp32, the factor eager's CUDA mean applies to the sum."""
-    key = ("inv", D)
-    r = _F32.get(key)
-    if r is None:
-        r = (torch.ones((), dtype=torch.float32) / D).item()
-        if len(_F32) < 4096:
-            _F32[key] = r
-    return r
+    return (torch.ones((), dtype=torch.float32) / D).item()
 
 
+@functools.lru_cache(maxsize=4096)
 def fwd_plan(M: int, D: int, device: torch.device, tiles=None):
     """(grid, block_m, block_d, num_warps, looped) for the forward: up to 4096 elements per program (fewer rows
     while the grid would not cover the SMs four times), 16 per thread. ``tiles``: (block_m, num_warps) override."""
-    key = ("fwd", M, D, device, tiles)
-    plan = _PLANS.get(key)
-    if plan is None:
-        block_d = next_pow2(D)
-        if block_d > MAX_FUSED_D:
-            plan = ((M,), 1, CHUNK, 8, True)
-        else:
-            if tiles is not None:
-                block_m, num_warps = tiles
-            else:
-                block_m = max(1, 4096 // block_d)
-                while block_m > 1 and triton.cdiv(M, block_m) < 4 * sm_count(device):
-                    block_m //= 2
-                num_warps = max(1, min(16, block_m * block_d // 512))
-            plan = ((triton.cdiv(M, block_m),), block_m, block_d, num_warps, False)
-        if len(_PLANS) < 4096:
-            _PLANS[key] = plan
-    return plan
+    block_d = next_pow2(D)
+    if block_d > MAX_FUSED_D:
+        return (M,), 1, CHUNK, 8, True
+    if tiles is not None:
+        block_m, num_warps = tiles
+    else:
+        block_m = max(1, 4096 // block_d)
+        while block_m > 1 and triton.cdiv(M, block_m) < 4 * sm_count(device):
+            block_m //= 2
+        num_warps = max(1, min(16, block_m * block_d // 512))
+    return (triton.cdiv(M, block_m),), block_m, block_d, num_warps, False
 
 
+@functools.lru_cache(maxsize=4096)
 def bwd_plan(M: int, D: int, device: torch.device, tiles=None):
     """(grid, block_m, block_d, num_warps, looped) for the backward: 8 elements per thread (at most 32 warps),
     about one resident wave of programs looping over rows. ``tiles``: (block_m, num_warps, programs) override."""
-    key = ("bwd", M, D, device, tiles)
-    plan = _PLANS.get(key)
-    if plan is None:
-        block_d = next_pow2(D)
-        sms = sm_count(device)
-        if block_d > MAX_FUSED_D:
-            plan = ((max(1, min(M, 2 * sms)),), 1, CHUNK, 8, True)
-        else:
-            if tiles is not None:
-                block_m, num_warps, programs = tiles
-            else:
-                block_m = max(1, 2048 // block_d)
-                while block_m > 1 and triton.cdiv(M, block_m) < 4 * sms:
-                    block_m //= 2
-                num_warps = max(1, min(32, block_m * block_d // 256))
-                programs = sms * max(1, 64 // num_warps)
-            plan = ((max(1, min(triton.cdiv(M, block_m), programs)),), block_m, block_d, num_warps, False)
-        if len(_PLANS) < 4096:
-            _PLANS[key] = plan
-    return plan
+    block_d = next_pow2(D)
+    sms = sm_count(device)
+    if block_d > MAX_FUSED_D:
+        return (max(1, min(M, 2 * sms)),), 1, CHUNK, 8, True
+    if tiles is not None:
+        block_m, num_warps, programs = tiles
+    else:
+        block_m = max(1, 2048 // block_d)
+        while block_m > 1 and triton.cdiv(M, block_m) < 4 * sms:
+            block_m //= 2
+        num_warps = max(1, min(32, block_m * block_d // 256))
+        programs = sms * max(1, 64 // num_warps)
+    return (max(1, min(triton.cdiv(M, block_m), programs)),), block_m, block_d, num_warps, False
 
 
 def _rows_view(t: torch.Tensor, D: int) -> torch.Tensor:
@@ -268,8 +245,7 @@ def forward(x: torch.Tensor, w: torch.Tensor, eps: float, offset: float, save_rs
     rstd = torch.empty(M, dtype=torch.float32, device=x.device) if save_rstd else None
     if M == 0:
         return y, rstd
-    if not w.is_contiguous():
-        w = w.contiguous()
+    w = w.contiguous()
     if _memory_rows(x, y, D):
         launch_fwd(y, x, w, rstd, M, D, eps, offset, D, D, tiles)
         return y, rstd
@@ -292,8 +268,7 @@ def backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd, eps: floa
     dx = torch.empty_like(x)
     if M == 0:
         return dx, (torch.zeros_like(w) if need_dw else None)
-    if not w.is_contiguous():
-        w = w.contiguous()
+    w = w.contiguous()
     x_memory = _memory_rows(x, dx, D)
     if x_memory and dy.stride() == x.stride():
         x2, dy2, dx2, tmp = x, dy, dx, None
@@ -327,9 +302,6 @@ def backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd, eps: floa
     return dx, dw
 
 
-__all__ = ["forward", "backward", "f32", "inv_d", "fwd_plan", "bwd_plan", "INTERPRET", "MAX_FUSED_D"]
-
-
 # The build (kerneltools.build.aot) compiles these launches ahead of time; others run Triton's JIT. Keep in step
 # with fwd_plan / bwd_plan.
 PREBUILD_MIN_ARCH = 80
@@ -337,45 +309,28 @@ PREBUILD_MIN_ARCH = 80
 
 def prebuild_launches() -> list:
     """The plans' default (block_m, block_d) for block_d 128 to ``MAX_FUSED_D``, the looped kernels and the dw
-    reduction, for each dtype, with and without width hints."""
+    reduction, for each dtype, with and without width hints (D and the row strides divisible by 16, or not)."""
     out = []
+    flags = [(r, w) for r in (True, False) for w in (True, False)]
     for dt in ("bf16", "fp16", "fp32"):
-        p = f"*{dt}"
-        for width_hint in (True, False):  # D and the row strides divisible by 16, or not
-            def rows(names):
-                return [(n, "i32", width_hint) for n in names]
+        for width_hint in (True, False):
+            hinted = ("D", "stride_x", "stride_y", "stride_dy", "stride_dx") if width_hint else ()
 
-            tail = [("D", "i32", width_hint), ("EPS", "fp32", False), ("INV_D", "fp32", False),
-                    ("OFFSET", "fp32", False)]
+            def entry(fn, consts, warps, rstd=False, dw=False):  # no rstd / dw partial: the launcher passes a tensor
+                types = dict(EPS="fp32", INV_D="fp32", OFFSET="fp32", rstd_ptr="*fp32" if rstd else None,
+                             dwp_ptr="*fp32" if dw else None)
+                return prebuild(fn, consts, warps, dtype=dt, hinted=hinted, types=types)
 
-            def fwd_args(save, looped=False):  # without a saved rstd the launcher passes y in its place
-                return ([("x_ptr", p, True), ("w_ptr", p, True), ("y_ptr", p, True),
-                         ("rstd_ptr", "*fp32" if save else p, True)] + ([] if looped else [("M", "i32", False)])
-                        + rows(("stride_x", "stride_y")) + tail)
-
-            def bwd_args(has_rstd, has_dw):  # x stands in for a missing rstd or dw partial
-                return ([("dy_ptr", p, True), ("x_ptr", p, True), ("w_ptr", p, True),
-                         ("rstd_ptr", "*fp32" if has_rstd else p, True), ("dx_ptr", p, True),
-                         ("dwp_ptr", "*fp32" if has_dw else p, True), ("M", "i32", False)]
-                        + rows(("stride_dy", "stride_x", "stride_dx")) + tail)
-
-            flags = [(r, w) for r in (True, False) for w in (True, False)]
             block_d = 128
             while block_d <= MAX_FUSED_D:
                 for block_m in pow2_up_to(max(1, 4096 // block_d)):
                     warps = max(1, min(16, block_m * block_d // 512))
-                    for save in (True, False):
-                        out.append(prebuild(_fwd_kernel, fwd_args(save), (block_m, block_d, save), warps))
+                    out += [entry(_fwd_kernel, (block_m, block_d, s), warps, rstd=s) for s in (True, False)]
                 for block_m in pow2_up_to(max(1, 2048 // block_d)):
                     warps = max(1, min(32, block_m * block_d // 256))
-                    for has_rstd, has_dw in flags:
-                        out.append(prebuild(_bwd_kernel, bwd_args(has_rstd, has_dw),
-                                            (block_m, block_d, has_rstd, has_dw), warps))
+                    out += [entry(_bwd_kernel, (block_m, block_d, r, w), warps, r, w) for r, w in flags]
                 block_d *= 2
-            for save in (True, False):
-                out.append(prebuild(_fwd_looped_kernel, fwd_args(save, looped=True), (CHUNK, save), 8))
-            for has_rstd, has_dw in flags:
-                out.append(prebuild(_bwd_looped_kernel, bwd_args(has_rstd, has_dw), (CHUNK, has_rstd, has_dw), 8))
-            out.append(prebuild(_dw_kernel, [("dwp_ptr", "*fp32", True), ("dw_ptr", p, True), ("G", "i32", False),
-                                             ("D", "i32", width_hint)], (DW_BLOCK_G, DW_BLOCK_C), 4))
+            out += [entry(_fwd_looped_kernel, (CHUNK, s), 8, rstd=s) for s in (True, False)]
+            out += [entry(_bwd_looped_kernel, (CHUNK, r, w), 8, r, w) for r, w in flags]
+            out.append(entry(_dw_kernel, (DW_BLOCK_G, DW_BLOCK_C), 4, dw=True))
     return out

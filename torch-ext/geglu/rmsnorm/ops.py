@@ -74,9 +74,7 @@ def host_forward(x: Tensor, weight: Tensor, eps: float, offset: float = 1.0) -> 
     return (y * (offset + weight.float())).type_as(x)
 
 
-def cpu_forward(x: Tensor, weight: Tensor, eps: float, offset: float) -> Tensor:
-    """The CPU implementation: eager's ops in the host's order; under autograd, eager records these ops itself."""
-    return host_forward(x, weight, eps, offset)
+cpu_forward = host_forward  # the CPU implementation; under autograd, eager records these ops itself
 
 
 def _sum_to(t: Tensor, dims) -> Tensor:
@@ -273,7 +271,3 @@ def scaled_layer_forward(x: Tensor, weight, eps: float) -> Tensor:
         if w is not None and _plain_eager(x, w) and _ok(x, w):
             return _run(x, w, eps if type(eps) is float else _as_float(eps, "eps"), 0.0)
     return scaled_host_forward(x, weight, eps)
-
-
-__all__ = ["rms_norm", "rms_norm_op", "rms_norm_backward", "host_forward", "layer_forward", "scaled_host_forward",
-           "scaled_layer_forward", "check_rms_norm"]

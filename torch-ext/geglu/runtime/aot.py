@@ -7,6 +7,7 @@ off (the caller uses Triton's JIT). A binary the driver refuses turns prebuilt k
 """
 
 import ctypes
+import functools
 import json
 import os
 import struct
@@ -53,7 +54,7 @@ def arg_type(a) -> str:
 def arg_hint(a) -> bool:
     """Whether Triton would mark the argument divisible by 16 (pointers: 16-byte aligned); never descriptors, bools,
     floats."""
-    if isinstance(a, Desc) or isinstance(a, (bool, float)):
+    if isinstance(a, (Desc, bool, float)):
         return False
     if isinstance(a, int):
         return a % 16 == 0
@@ -134,11 +135,8 @@ def info() -> dict:
         out["targets"][arch] = manifest.get("target")
         out["ptxas"] = manifest.get("ptxas")
         out["triton"] = manifest.get("triton")
-    gpus = {}
-    for cap in FAMILIES:
-        arch = serving_arch(cap, out["architectures"])
-        gpus[cap] = {"runs": "jit" if arch is None else f"sm_{arch}"}
-    out["gpus"] = gpus
+    archs = {cap: serving_arch(cap, out["architectures"]) for cap in FAMILIES}
+    out["gpus"] = {cap: {"runs": "jit" if a is None else f"sm_{a}"} for cap, a in archs.items()}
     out["refused"] = dict(_refused)
     return out
 
@@ -228,16 +226,9 @@ def _function(entry: dict, device_index: int, blob: bytes):
     return fn
 
 
-_f32_bits = {}
-
-
+@functools.lru_cache(maxsize=4096)
 def _float_bits(v: float) -> int:
-    b = _f32_bits.get(v)
-    if b is None:
-        b = struct.unpack("<I", struct.pack("<f", v))[0]
-        if len(_f32_bits) < 4096:
-            _f32_bits[v] = b
-    return b
+    return struct.unpack("<I", struct.pack("<f", v))[0]
 
 
 _descs = {}  # (base, shape, strides, box, swizzle, type) -> the encoded CUtensorMap
@@ -315,8 +306,7 @@ def _launcher(entry: dict, function: int):
     kinds = entry["types"]
     metas = entry.get("tensordesc_meta") or []
     threads, shared = 32 * entry["num_warps"], entry["shared"]
-    layout, n = [], 0  # per argument: (kind, first word)
-    di = 0
+    layout, n, di = [], 0, 0  # per argument: (kind, first word, TMA meta, rank); n: words so far
     for t in kinds:
         if t.startswith("tensordesc"):
             rank = t.count(",") + 1
@@ -328,13 +318,10 @@ def _launcher(entry: dict, function: int):
             n += 1
     offsets = [w for kind, w, _, rank in layout for w in
                ([w] + [w + 16 + i for i in range(2 * rank)] if kind == "desc" else [w])]
-    scratch = n
+    offsets += [n, n + 1]  # the scratch pointers
     n += 2
-    offsets += [scratch, scratch + 1]
-    n_params = len(offsets)
-    words_t, params_t = ctypes.c_uint64 * n, ctypes.c_void_p * n_params
-    lib = _driver()
-    launch = lib.cuLaunchKernel
+    words_t, params_t = ctypes.c_uint64 * n, ctypes.c_void_p * len(offsets)
+    launch = _driver().cuLaunchKernel
 
     def run(grid, args, stream):
         words = words_t()
@@ -359,6 +346,3 @@ def _launcher(entry: dict, function: int):
         if gx * gy * gz:
             _check(launch(function, gx, gy, gz, threads, 1, 1, shared, stream, params, None), "cuLaunchKernel")
     return run
-
-
-__all__ = ["Desc", "find", "info", "architectures", "serving_arch", "arg_type", "arg_hint", "key"]

@@ -7,6 +7,7 @@ compiled library (an error if the variant has none). ``triton``: always the Trit
 under graph capture, tracing, functorch transforms and for tensor subclasses.
 """
 
+import functools
 import importlib
 
 import torch
@@ -52,14 +53,7 @@ def call_mode(*tensors: Tensor) -> int:
 
 def lazy_module(name: str, package: str):
     """A function returning module ``name`` (relative to ``package``), imported on its first call."""
-    module = None
-
-    def get():
-        nonlocal module
-        if module is None:
-            module = importlib.import_module(name, package)
-        return module
-    return get
+    return functools.cache(lambda: importlib.import_module(name, package))
 
 
 def set_backend(name: str) -> None:

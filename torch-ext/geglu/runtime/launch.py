@@ -1,6 +1,8 @@
 """Launching the Triton kernels: the variant's prebuilt binary (``aot``) where there is one, else Triton's JIT.
 ``prebuilt`` launches the prebuilt binary alone (for launchers that pass tensor descriptors)."""
 
+import contextlib
+
 import torch
 import triton
 
@@ -123,32 +125,28 @@ def device_guard(t: torch.Tensor):
     return NULL_CONTEXT
 
 
-class _NullContext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
+NULL_CONTEXT = contextlib.nullcontext()
 
 
-NULL_CONTEXT = _NullContext()
-
-
-def pow2_up_to(n: int):
+def pow2_up_to(n: int) -> list:
     """1, 2, 4, ... up to ``n``: the tile sizes a plan can choose."""
-    v = 1
-    while v <= n:
-        yield v
-        v *= 2
+    return [1 << i for i in range(max(n, 0).bit_length())]
 
 
-def prebuild(fn, args, consts, num_warps: int, num_stages: int = 3) -> dict:
-    """One entry of a kernel module's ``prebuild_launches()``: the kernel's name, its runtime arguments in order as
-    ``(name, signature type, hinted)`` (hinted: 16-byte aligned pointer or integer divisible by 16), its constexprs in
-    order, warps and stages."""
-    return dict(fn=fn.__name__, args=list(args), consts=list(consts), num_warps=num_warps, num_stages=num_stages)
+def prebuild(fn, consts, num_warps: int, num_stages: int = 3, *, dtype: str = "", hinted=(), types=None) -> dict:
+    """One entry of a kernel module's ``prebuild_launches()``: the kernel's name, its runtime arguments (the
+    parameters before the constexprs ``consts``) in order as ``(name, signature type, hinted)``, the constexprs, warps
+    and stages. An argument ``*_ptr`` is a 16-byte aligned ``*<dtype>`` pointer, any other an ``i32``, divisible by 16
+    where named in ``hinted``; ``types`` gives another type by name (a pointer of it is hinted, a :func:`desc_type`
+    or ``fp32`` never)."""
+    types = types or {}
+    args = []
+    for name in fn.arg_names[:len(fn.arg_names) - len(consts)]:
+        t = types.get(name) or (f"*{dtype}" if name.endswith("_ptr") else "i32")
+        args.append((name, t, t.startswith("*") or name in hinted))
+    return dict(fn=fn.__name__, args=args, consts=list(consts), num_warps=num_warps, num_stages=num_stages)
 
 
-def desc_arg(name: str, dtype: str, block) -> tuple:
-    """A TMA tensor-descriptor argument of a ``prebuild_launches()`` entry (never hinted)."""
-    return (name, f"tensordesc<{dtype}[{', '.join(map(str, block))}]>", False)
+def desc_type(dtype: str, block) -> str:
+    """The signature type of a TMA tensor-descriptor argument of a ``prebuild_launches()`` entry."""
+    return f"tensordesc<{dtype}[{', '.join(map(str, block))}]>"

@@ -63,6 +63,3 @@ class HubLayer(nn.Module):
 
     can_torch_compile = True
     has_backward = True
-
-
-__all__ = ["Op", "op", "fast_apply", "HubLayer"]
