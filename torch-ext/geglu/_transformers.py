@@ -90,12 +90,8 @@ class ExpertsGate(torch.nn.Module):
 
 
 def _apply_gate_through(key: str):
-    def _apply_gate(self, gate_up):
-        funcs = getattr(self, "_kernel_funcs", None)
-        gate = funcs.get(key) if funcs is not None else None
-        if gate is None:  # built before register_transformers: no gate layer
-            return experts_gate(self.act_fn, gate_up)
-        return gate(self.act_fn, gate_up)
+    def _apply_gate(self, gate_up):  # a module built before register_transformers has no gate layer
+        return (getattr(self, "_kernel_funcs", None) or {}).get(key, experts_gate)(self.act_fn, gate_up)
 
     _apply_gate.__qualname__ = f"geglu_apply_gate[{key}]"
     return _apply_gate

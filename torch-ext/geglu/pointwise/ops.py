@@ -126,15 +126,8 @@ def _viewable(t: Tensor, d: int) -> bool:
 _empty_like, _contiguous = torch.empty_like, torch.contiguous_format
 
 
-def new_output(gate: Tensor, up: Tensor, approximate: str) -> Tensor:
-    """``gelu(gate) * up`` in a new contiguous tensor, for validated inputs (``check_split``)."""
-    out = _empty_like(gate, memory_format=_contiguous)
-    forward_into(out, gate, up, approximate, True)
-    return out
-
-
 def new_packed_output(x: Tensor, approximate: str, act_first: bool, d: int) -> Tensor:
-    """The packed form of :func:`new_output`, for a validated ``x`` (``d = check_packed(x, approximate)``)."""
+    """``gelu(gate) * up`` of x's halves in a new tensor, for a validated ``x`` (``d = check_packed(x, approximate)``)."""
     out = torch.empty(x.shape[:-1] + (d,), dtype=x.dtype, device=x.device)
     gate, up = packed_halves(x, act_first)
     forward_into(out, gate, up, approximate, True)
@@ -147,7 +140,9 @@ def geglu_impl(gate: Tensor, up: Tensor, approximate: str) -> Tensor:
     if _flat_lib(gate, approximate, up):
         return _direct.flat_fwd(gate, up, _TANH[approximate])
     check_split(gate, up, approximate)
-    return new_output(gate, up, approximate)
+    out = _empty_like(gate, memory_format=_contiguous)
+    forward_into(out, gate, up, approximate, True)
+    return out
 
 
 @op(add_op_namespace_prefix("geglu"))
