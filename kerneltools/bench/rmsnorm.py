@@ -16,6 +16,7 @@ timer: a check of the plumbing, not a measurement.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import sys
@@ -107,6 +108,26 @@ def run(build_dir: Path, quick: bool, dtypes: list[str], sweep: bool, log=print)
     return dict(meta=dict(meta, copy_floor_tbs=round(floor, 3), variant=geglu.__name__), rows=rows, sweep=sweeps)
 
 
+@contextlib.contextmanager
+def _tiles(tri, plan_name: str, tiles):
+    """``rmsnorm.kernels``' plan ``plan_name`` (``fwd_plan`` / ``bwd_plan``) with its (block_m, num_warps[,
+    programs]) set to ``tiles`` for the launches inside the block (None: the shipped plan); yields the plan."""
+    shipped = getattr(tri, plan_name)
+
+    def plan(M, D, device):
+        grid, block_m, block_d, warps, looped = shipped(M, D, device)
+        if tiles is None or looped:
+            return grid, block_m, block_d, warps, looped
+        programs = -(-M // tiles[0])
+        return (max(1, min(programs, tiles[2])) if len(tiles) > 2 else programs,), tiles[0], block_d, tiles[1], False
+
+    setattr(tri, plan_name, plan)
+    try:
+        yield plan
+    finally:
+        setattr(tri, plan_name, shipped)
+
+
 def _sweep(torch, tri, time_us, floor, shape, dname, device) -> list:
     """Forward (block_m, num_warps) and backward (block_m, num_warps, programs) tiles at one shape."""
     M, D = shape
@@ -120,14 +141,16 @@ def _sweep(torch, tri, time_us, floor, shape, dname, device) -> list:
     nbytes = M * D * x.element_size()
     out = []
     for tiles in [None, (1, 4), (1, 8), (1, 16), (2, 8), (2, 16), (4, 16)]:
-        t = time_us(lambda: tri.forward(x, w, eps, 1.0, False, tiles=tiles))
-        plan = tri.fwd_plan(M, D, x.device, tiles)
+        with _tiles(tri, "fwd_plan", tiles) as plan_of:
+            t = time_us(lambda: tri.forward(x, w, eps, 1.0, False))
+            plan = plan_of(M, D, x.device)
         out.append(dict(pass_="fwd", tiles=str(tiles or (plan[1], plan[3])), us=round(t, 2),
                         pct_floor=round(100 * 2 * nbytes / (t * 1e-6) / 1e12 / floor, 1)))
     for tiles in [None, (1, 8, 4 * sms), (1, 16, 2 * sms), (1, 16, 4 * sms), (1, 32, sms), (1, 32, 2 * sms),
                   (2, 16, 2 * sms)]:
-        t = time_us(lambda: tri.backward(dy, x, w, rstd, eps, 1.0, True, tiles=tiles))
-        plan = tri.bwd_plan(M, D, x.device, tiles)
+        with _tiles(tri, "bwd_plan", tiles) as plan_of:
+            t = time_us(lambda: tri.backward(dy, x, w, rstd, eps, 1.0, True))
+            plan = plan_of(M, D, x.device)
         out.append(dict(pass_="bwd", tiles=str(tiles or (plan[1], plan[3], plan[0][0])), us=round(t, 2),
                         pct_floor=round(100 * 3 * nbytes / (t * 1e-6) / 1e12 / floor, 1)))
     return out
@@ -143,7 +166,7 @@ def to_markdown(res: dict) -> str:
         lines.append(f"| {r['dtype']} | {r['M']}x{r['D']} | {r['pass_']} | {r['impl']} | {r['us']} | "
                      f"{r.get('tbs', '–')} | {r.get('pct_floor', '–')} | {r.get('vs_eager', '–')} |")
     if res.get("sweep"):
-        lines += ["", "Tiles at the first shape (`tiles=` of `rmsnorm.kernels.forward` / `backward`):", "",
+        lines += ["", "Tiles at the first shape (block_m, num_warps[, programs] in place of `rmsnorm.kernels.fwd_plan`'s / `bwd_plan`'s):", "",
                   "| pass | tiles | µs | % of copy floor |", "|---|---|---|---|"]
         lines += [f"| {s['pass_']} | {s['tiles']} | {s['us']} | {s['pct_floor']} |" for s in res["sweep"]]
     return "\n".join(lines) + "\n"

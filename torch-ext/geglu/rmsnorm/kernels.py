@@ -167,38 +167,32 @@ def inv_d(D: int) -> float:
 
 
 @functools.lru_cache(maxsize=4096)
-def fwd_plan(M: int, D: int, device: torch.device, tiles=None):
+def fwd_plan(M: int, D: int, device: torch.device):
     """(grid, block_m, block_d, num_warps, looped) for the forward: up to 4096 elements per program (fewer rows
-    while the grid would not cover the SMs four times), 16 per thread. ``tiles``: (block_m, num_warps) override."""
+    while the grid would not cover the SMs four times), 16 per thread."""
     block_d = next_pow2(D)
     if block_d > MAX_FUSED_D:
         return (M,), 1, CHUNK, 8, True
-    if tiles is not None:
-        block_m, num_warps = tiles
-    else:
-        block_m = max(1, 4096 // block_d)
-        while block_m > 1 and triton.cdiv(M, block_m) < 4 * sm_count(device):
-            block_m //= 2
-        num_warps = max(1, min(16, block_m * block_d // 512))
+    block_m = max(1, 4096 // block_d)
+    while block_m > 1 and triton.cdiv(M, block_m) < 4 * sm_count(device):
+        block_m //= 2
+    num_warps = max(1, min(16, block_m * block_d // 512))
     return (triton.cdiv(M, block_m),), block_m, block_d, num_warps, False
 
 
 @functools.lru_cache(maxsize=4096)
-def bwd_plan(M: int, D: int, device: torch.device, tiles=None):
+def bwd_plan(M: int, D: int, device: torch.device):
     """(grid, block_m, block_d, num_warps, looped) for the backward: 8 elements per thread (at most 32 warps),
-    about one resident wave of programs looping over rows. ``tiles``: (block_m, num_warps, programs) override."""
+    about one resident wave of programs looping over rows."""
     block_d = next_pow2(D)
     sms = sm_count(device)
     if block_d > MAX_FUSED_D:
         return (max(1, min(M, 2 * sms)),), 1, CHUNK, 8, True
-    if tiles is not None:
-        block_m, num_warps, programs = tiles
-    else:
-        block_m = max(1, 2048 // block_d)
-        while block_m > 1 and triton.cdiv(M, block_m) < 4 * sms:
-            block_m //= 2
-        num_warps = max(1, min(32, block_m * block_d // 256))
-        programs = sms * max(1, 64 // num_warps)
+    block_m = max(1, 2048 // block_d)
+    while block_m > 1 and triton.cdiv(M, block_m) < 4 * sms:
+        block_m //= 2
+    num_warps = max(1, min(32, block_m * block_d // 256))
+    programs = sms * max(1, 64 // num_warps)
     return (max(1, min(triton.cdiv(M, block_m), programs)),), block_m, block_d, num_warps, False
 
 
@@ -222,9 +216,9 @@ def _memory_rows(t: torch.Tensor, like: torch.Tensor, D: int) -> bool:
     return t.stride() == like.stride() and (D == 1 or t.stride(-1) == 1)
 
 
-def launch_fwd(y2, x2, w, rstd, M: int, D: int, eps: float, offset: float, sx: int, sy: int, tiles=None) -> None:
+def launch_fwd(y2, x2, w, rstd, M: int, D: int, eps: float, offset: float, sx: int, sy: int) -> None:
     """y2 rows = norm(x2 rows), row strides sx, sy; rstd [M] fp32 or None."""
-    grid, block_m, block_d, num_warps, looped = fwd_plan(M, D, x2.device, tiles)
+    grid, block_m, block_d, num_warps, looped = fwd_plan(M, D, x2.device)
     save = rstd is not None
     rstd_arg = rstd if save else y2
     with device_guard(x2):
@@ -236,7 +230,7 @@ def launch_fwd(y2, x2, w, rstd, M: int, D: int, eps: float, offset: float, sx: i
                     (block_m, block_d, save), num_warps, x2.device)
 
 
-def forward(x: torch.Tensor, w: torch.Tensor, eps: float, offset: float, save_rstd: bool = False, tiles=None):
+def forward(x: torch.Tensor, w: torch.Tensor, eps: float, offset: float, save_rstd: bool = False):
     """(y, rstd or None): y = empty_like(x), the norm of x's rows (x, w validated; eps, offset fp32 values); rstd
     [M] fp32 in the kernel's row order."""
     D = x.shape[-1]
@@ -247,20 +241,20 @@ def forward(x: torch.Tensor, w: torch.Tensor, eps: float, offset: float, save_rs
         return y, rstd
     w = w.contiguous()
     if _memory_rows(x, y, D):
-        launch_fwd(y, x, w, rstd, M, D, eps, offset, D, D, tiles)
+        launch_fwd(y, x, w, rstd, M, D, eps, offset, D, D)
         return y, rstd
     x2 = _rows_view(x, D)
     if y.is_contiguous():
-        launch_fwd(y, x2, w, rstd, M, D, eps, offset, _row_stride(x2, M, D), D, tiles)
+        launch_fwd(y, x2, w, rstd, M, D, eps, offset, _row_stride(x2, M, D), D)
     else:  # a dense x whose last dim is strided: compute rows, then lay them out as empty_like(x)
         tmp = torch.empty((M, D), dtype=x.dtype, device=x.device)
-        launch_fwd(tmp, x2, w, rstd, M, D, eps, offset, _row_stride(x2, M, D), D, tiles)
+        launch_fwd(tmp, x2, w, rstd, M, D, eps, offset, _row_stride(x2, M, D), D)
         y.copy_(tmp.view(x.shape))
     return y, rstd
 
 
 def backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd, eps: float, offset: float,
-             need_dw: bool = True, tiles=None):
+             need_dw: bool = True):
     """(dx, dw): dx = empty_like(x), dw like w (None unless need_dw). ``rstd``: the forward's or None (recompute);
     used only when the rows are enumerated as the forward did."""
     D = x.shape[-1]
@@ -280,7 +274,7 @@ def backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd, eps: floa
         tmp = None if dx.is_contiguous() else torch.empty((M, D), dtype=x.dtype, device=x.device)
         dx2 = dx if tmp is None else tmp
         sx, sdy, sdx = _row_stride(x2, M, D), _row_stride(dy2, M, D), D
-    grid, block_m, block_d, num_warps, looped = bwd_plan(M, D, x.device, tiles)
+    grid, block_m, block_d, num_warps, looped = bwd_plan(M, D, x.device)
     G = grid[0]
     dwp = None
     if need_dw:
