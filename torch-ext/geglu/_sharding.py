@@ -1,18 +1,9 @@
 """DTensor sharding rules (``register_sharding``) for the custom ops, so a DTensor input runs the kernel on each rank's
-local shard. A rule lists, per mesh dim, the placements under which the op is correct on local shards.
-
-* Pointwise ops (``geglu``, ``geglu_backward``): all ``Replicate()`` or all ``Shard(d)``; or ``Partial`` in the
-  input the op is linear in (``up``, ``gate`` replicated; ``grad``) with ``Partial`` outputs.
-* Packed ops (``x[..., 2d]``): ``Replicate()`` or ``Shard(d)`` on a leading dim; on the last dim only
-  ``_StridedShard(-1, split_factor=2)`` (``[gate_r | up_r]`` per rank, as ``packed_colwise``) with ``Shard(-1)`` of
-  the ``[..., d]`` tensors; a plain ``Shard(-1)`` of ``x`` is redistributed.
-* Ops that write into an argument (``geglu_out``, ``geglu_backward_``, ``geglu_packed_backward_``): only rules that
-  keep the written arguments' placements; where none can, ``NotImplementedError`` names the out-of-place form
-  (DTensor itself raises for an in-place backward whose ``grad`` is placed unlike ``gate``/``up``).
-
-``RULES``: op name -> rule (:func:`pointwise` or :func:`packed`: a function of the op's arguments, DTensor specs for
-tensors, returning ``[(output placements, input placements), ...]``, ``None`` for non-tensors). Ops missing from
-the build are skipped; without ``torch.distributed``, ``AVAILABLE = False`` and nothing registers.
+local shard; the rules per op are docs/distributed.md's table. ``RULES``: op name -> rule, a function of the op's
+arguments (DTensor specs for tensors, ``None`` for others) returning ``[(output placements, input placements),
+...]``, the placements per mesh dim under which the op is correct on local shards (:func:`pointwise`,
+:func:`packed`). An op that writes into an argument keeps only the rules that leave it in place, else raises
+``NotImplementedError`` naming the out-of-place form. Without ``torch.distributed``, ``AVAILABLE`` is False.
 """
 
 from typing import Callable, Dict, List, Optional, Sequence, Tuple

@@ -184,15 +184,11 @@ def _error_text(status: int) -> str:
     return msg.value.decode() if msg.value else "unknown"
 
 
-def _check(status: int, what: str) -> None:
+def _check(status: int, what: str, refused: bool = False) -> None:
+    """Raise for a failed driver call: _Refused where the driver refused a binary (``refused``), else RuntimeError."""
     if status:
-        raise RuntimeError(f"geglu: {what} failed with CUDA error {status} ({_error_text(status)}) for a prebuilt "
-                           "kernel.")
-
-
-def _check_load(status: int, what: str) -> None:
-    if status:
-        raise _Refused(f"{what} failed with CUDA error {status} ({_error_text(status)})")
+        text = f"{what} failed with CUDA error {status} ({_error_text(status)})"
+        raise _Refused(text) if refused else RuntimeError(f"geglu: {text} for a prebuilt kernel.")
 
 
 def _arch(device_index: int):
@@ -217,11 +213,11 @@ def _function(entry: dict, device_index: int, blob: bytes):
             _check(lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
         module, fn_ptr = ctypes.c_void_p(), ctypes.c_void_p()
         image = zlib.decompress(blob[entry["offset"]:entry["offset"] + entry["size"]])
-        _check_load(lib.cuModuleLoadData(ctypes.byref(module), image), "cuModuleLoadData")
-        _check_load(lib.cuModuleGetFunction(ctypes.byref(fn_ptr), module, entry["name"].encode()),
-                    "cuModuleGetFunction")
+        _check(lib.cuModuleLoadData(ctypes.byref(module), image), "cuModuleLoadData", True)
+        _check(lib.cuModuleGetFunction(ctypes.byref(fn_ptr), module, entry["name"].encode()), "cuModuleGetFunction",
+               True)
         if entry["shared"] > 48 * 1024:  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            _check_load(lib.cuFuncSetAttribute(fn_ptr, 8, entry["shared"]), "cuFuncSetAttribute")
+            _check(lib.cuFuncSetAttribute(fn_ptr, 8, entry["shared"]), "cuFuncSetAttribute", True)
         fn = _loaded[fid] = fn_ptr.value
     return fn
 

@@ -1,17 +1,7 @@
-"""The package's settings: one frozen :class:`Config`, read from the environment at import.
-
-* ``backend`` (``GEGLU_BACKEND``): ``"auto"`` (default), ``"cuda"`` (the compiled library at every size) or
-  ``"triton"`` (the Triton kernels, CPU tensors too under ``TRITON_INTERPRET=1``).
-* ``fused_mlp`` (``GEGLU_FUSED_MLP``, default on): inference of ``GeGLUMLP`` and the MoE experts takes the fused
-  gate/up GEMM (GeGLU in its epilogue: not eager's bits) where the shipped rule for the architecture says so.
-* ``cuda_plan`` (``GEGLU_CUDA_PLAN``): the compiled library's launch plan: ``""`` (default) the built-in choice,
-  ``"<threads>,<unroll>"`` (threads 32..256, a multiple of 32; unroll 1, 2 or 4) or ``"<threads>,p<stages>"``
-  (cp.async pipeline, stages 2 or 4); the same bits either way.
-* ``prebuilt`` (``GEGLU_PREBUILT``, default on): launch the Triton kernels this variant ships compiled
-  (``runtime.aot``) where it has them; off: Triton's JIT always.
-
-:func:`configure` changes them for the process, or for a ``with`` block. The kernels read the settings when they run,
-never in code that ``torch.compile`` traces, so a change needs no recompilation.
+"""The package's settings: one frozen :class:`Config` (``backend``, ``fused_mlp``, ``cuda_plan``, ``prebuilt``),
+read from ``GEGLU_<NAME>`` at import; what each does: docs/design.md's Settings. :func:`configure` changes them for
+the process, or for a ``with`` block. The kernels read them when they run, never in code that ``torch.compile``
+traces, so a change needs no recompilation.
 """
 
 import dataclasses

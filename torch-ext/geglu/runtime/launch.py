@@ -48,11 +48,8 @@ def _spec(a):
 
 
 def _hook_active(hook) -> bool:
-    # a HookChain (active when it has calls), or None / a function
-    if hook is None:
-        return False
-    calls = getattr(hook, "calls", None)
-    return bool(calls) if calls is not None else True
+    """A launch hook in force: a function, or a HookChain with calls."""
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 def _hooks_set() -> bool:
