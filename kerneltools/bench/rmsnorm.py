@@ -118,8 +118,9 @@ def _tiles(tri, plan_name: str, tiles):
         grid, block_m, block_d, warps, looped = shipped(M, D, device)
         if tiles is None or looped:
             return grid, block_m, block_d, warps, looped
-        programs = -(-M // tiles[0])
-        return (max(1, min(programs, tiles[2])) if len(tiles) > 2 else programs,), tiles[0], block_d, tiles[1], False
+        row_blocks = -(-M // tiles[0])  # the forward's grid; the backward's is capped at ``programs``
+        grid = (max(1, min(row_blocks, tiles[2])) if len(tiles) > 2 else row_blocks,)
+        return grid, tiles[0], block_d, tiles[1], False
 
     setattr(tri, plan_name, plan)
     try:
@@ -166,7 +167,8 @@ def to_markdown(res: dict) -> str:
         lines.append(f"| {r['dtype']} | {r['M']}x{r['D']} | {r['pass_']} | {r['impl']} | {r['us']} | "
                      f"{r.get('tbs', '–')} | {r.get('pct_floor', '–')} | {r.get('vs_eager', '–')} |")
     if res.get("sweep"):
-        lines += ["", "Tiles at the first shape (block_m, num_warps[, programs] in place of `rmsnorm.kernels.fwd_plan`'s / `bwd_plan`'s):", "",
+        lines += ["", "Tiles at the first shape (block_m, num_warps[, programs] in place of `rmsnorm.kernels.fwd_plan`'s "
+                  "/ `bwd_plan`'s):", "",
                   "| pass | tiles | µs | % of copy floor |", "|---|---|---|---|"]
         lines += [f"| {s['pass_']} | {s['tiles']} | {s['us']} | {s['pct_floor']} |" for s in res["sweep"]]
     return "\n".join(lines) + "\n"
