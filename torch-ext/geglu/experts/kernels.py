@@ -11,11 +11,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..mlp.kernels import INTERPRETER, Config, run_gemm, tma_aligned, tma_supported
+from ..mlp.kernels import INTERPRETER, Config, tma_aligned, tma_supported
 from ..mlp.tiles import geglu_epilogue, split_halves
 from ..runtime import aot as _aot
 from ..runtime.gelu_math import INTERPRET, K_ALPHA, K_BETA_TANH, K_KAPPA
-from ..runtime.launch import desc_type, prebuild, sm_count
+from ..runtime.launch import desc_type, device_guard, launch, prebuild, sm_count
 
 
 @triton.jit
@@ -119,9 +119,10 @@ def grouped_gate_up_geglu(x: torch.Tensor, gate_up_proj: torch.Tensor, offsets: 
     x_desc = _aot.Desc(x, [S, D], [D, 1], [bm, bk])
     w_desc = _aot.Desc(gate_up_proj, [E, 2, I, D], [I2 * D, I * D, D, 1], [1, 2, bn, bk])
     grid = (min(bound, sm_count(x.device)),)
-    run_gemm(_grouped_geglu_kernel, grid,
-             [x_desc, w_desc, out, tile_expert, tiles_end, m_tiles, offs, S, E, I, out.stride(0), D, bound],
-             grouped_consts(tanh, cfg), cfg, x.device)
+    with device_guard(x):
+        launch(_grouped_geglu_kernel, grid,
+               [x_desc, w_desc, out, tile_expert, tiles_end, m_tiles, offs, S, E, I, out.stride(0), D, bound],
+               grouped_consts(tanh, cfg), cfg.num_warps, x.device, cfg.num_stages)
     return out
 
 

@@ -9,13 +9,8 @@ import triton
 
 from ..runtime import aot as _aot
 from ..runtime.gelu_math import INTERPRET, K_ALPHA, K_BETA_TANH, K_KAPPA
-from ..runtime.launch import NULL_CONTEXT, desc_type, prebuild, prebuilt, sm_count
+from ..runtime.launch import TensorDescriptor, desc_type, device_guard, launch, prebuild, sm_count
 from .tiles import _gate_up_geglu_kernel, _paired_gate_up_geglu_kernel
-
-try:  # host-side TMA descriptors (triton >= 3.4)
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # pragma: no cover - older triton: pointer loads only
-    TensorDescriptor = None
 
 
 class Config(NamedTuple):
@@ -82,26 +77,17 @@ def gate_up_geglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, tan
     use_tma = cfg.tma and tma_supported(x.device) and all(tma_aligned(t) for t in (x, w_gate, w_up, out))
     layout = pair_layout(w_gate, w_up) if use_tma and cfg.pair else None
     try:
-        if layout is not None:
-            _launch_paired(x, layout, w_gate, out, tanh, cfg)
-        else:
-            _launch(x, w_gate, w_up, out, tanh, use_tma, cfg)
+        with device_guard(x):
+            if layout is not None:
+                _launch_paired(x, layout, w_gate, out, tanh, cfg)
+            else:
+                _launch(x, w_gate, w_up, out, tanh, use_tma, cfg)
     except triton.runtime.errors.OutOfResources:
         if config is not None or cfg.num_stages <= 2:
             raise  # an explicit config reports its failure
         TUNED[(m_bucket(M), K, N, x.dtype, x.device)] = cfg._replace(num_stages=cfg.num_stages - 1)
         return gate_up_geglu(x, w_gate, w_up, tanh)
     return out
-
-
-def run_gemm(kernel, grid, args, consts, cfg, device) -> None:
-    """The prebuilt binary for this launch where the build ships one, else Triton's JIT without FMA contraction."""
-    with torch.cuda.device(device) if device.type == "cuda" else NULL_CONTEXT:
-        if device.type == "cuda" and prebuilt(kernel, grid, args, consts, cfg.num_warps, cfg.num_stages, device.index):
-            return
-        jit_args = [TensorDescriptor(a.base, a.shape, a.strides, a.block) if isinstance(a, _aot.Desc) else a
-                    for a in args]
-        kernel[grid](*jit_args, *consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
 
 
 def gate_up_consts(tanh, use_tma, cfg) -> tuple:
@@ -125,7 +111,8 @@ def _launch(x, w_gate, w_up, out, tanh, use_tma, cfg):
     args = [_aot.Desc(t, t.shape, t.stride(), blk) if use_tma else t for t, blk in tensors]
     strides = [t.stride(0) for t, _ in tensors]
     grid = _grid(triton.cdiv(M, bm) * triton.cdiv(N, bn), cfg, x.device)
-    run_gemm(_gate_up_geglu_kernel, grid, [*args, M, N, K, *strides], gate_up_consts(tanh, use_tma, cfg), cfg, x.device)
+    launch(_gate_up_geglu_kernel, grid, [*args, M, N, K, *strides], gate_up_consts(tanh, use_tma, cfg), cfg.num_warps,
+           x.device, cfg.num_stages)
 
 
 _TMA_MAX_STRIDE = 1 << 40  # bytes: cuTensorMapEncodeTiled's limit on a global stride
@@ -162,8 +149,8 @@ def _launch_paired(x, layout: PairLayout, w_gate, out, tanh, cfg):
     w_desc = _aot.Desc(layout.base, [2, N, K], [layout.outer_stride, w_gate.stride(0), 1], [2, bn, bk])
     args = [_aot.Desc(x, x.shape, x.stride(), [bm, bk]), w_desc, _aot.Desc(out, out.shape, out.stride(), [bm, bn])]
     grid = _grid(triton.cdiv(M, bm) * triton.cdiv(N, bn), cfg, x.device)
-    run_gemm(_paired_gate_up_geglu_kernel, grid, [*args, M, N, K], paired_consts(tanh, layout.gate_first, cfg), cfg,
-             x.device)
+    launch(_paired_gate_up_geglu_kernel, grid, [*args, M, N, K], paired_consts(tanh, layout.gate_first, cfg),
+           cfg.num_warps, x.device, cfg.num_stages)
 
 
 # The build compiles every launch listed here ahead of time for sm_90+; any other launch runs Triton's JIT.

@@ -1,5 +1,4 @@
-"""Launching the Triton kernels: the variant's prebuilt binary (``aot``) where there is one, else Triton's JIT.
-``prebuilt`` launches the prebuilt binary alone (for launchers that pass tensor descriptors)."""
+"""Launching the Triton kernels: the variant's prebuilt binary (``aot``) where there is one, else Triton's JIT."""
 
 import contextlib
 
@@ -9,6 +8,11 @@ import triton
 from . import aot as _aot
 from . import config as _config
 from .gelu_math import INTERPRET
+
+try:  # host-side TMA descriptors (triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older triton: pointer loads only
+    TensorDescriptor = None
 
 _SM_COUNT = {}
 
@@ -30,8 +34,9 @@ def next_pow2(n: int) -> int:
 # --- launching -----------------------------------------------------------------------------------------------------
 # The first JIT launch of a specialisation goes through Triton; later ones call the compiled kernel's launcher
 # directly. The cache key is at least as fine as Triton's specialisation (pointer dtype and 16-byte alignment; integer
-# divisibility by 16, == 1 and width), plus constexprs, warps, device and the prebuilt setting. A CompiledKernel
-# without the expected attributes turns the direct JIT path off for the process.
+# divisibility by 16, == 1 and width), plus constexprs, warps, stages, device and the prebuilt setting. Launches with
+# TMA descriptors go through Triton each time. A CompiledKernel without the expected attributes turns the direct JIT
+# path off for the process.
 _DIRECT_LAUNCH = {}
 _direct_ok = not INTERPRET
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -57,42 +62,30 @@ def _hooks_set() -> bool:
     return runtime is None or _hook_active(runtime.launch_enter_hook) or _hook_active(runtime.launch_exit_hook)
 
 
-_PREBUILT = {}  # launch key -> the prebuilt kernel's run, or None (none for that launch)
-
-
 def clear_caches() -> None:
     """Forget every launch looked up so far (the next launches look up their kernels again)."""
     _DIRECT_LAUNCH.clear()
-    _PREBUILT.clear()
 
 
-def prebuilt(fn, grid, args, consts, num_warps: int, num_stages: int, device_index: int) -> bool:
-    """Launch ``fn``'s prebuilt kernel on the current stream; False (nothing launched) when this variant has none for
-    these arguments on the device. The lookup is cached per launch key."""
-    if INTERPRET:
-        return False
-    key = (fn, num_warps, num_stages, device_index, consts, _config.current.prebuilt) + tuple(_spec(a) for a in args)
-    run = _PREBUILT.get(key, False)
-    if run is False:
-        run = _aot.find(fn.__name__, args, consts, num_warps, num_stages, device_index)
-        if len(_PREBUILT) < 4096:
-            _PREBUILT[key] = run
-    if run is None:
-        return False
-    run(grid, args, _raw_stream(device_index))
-    return True
+_JIT = (None, None, None)  # a launch key's entry where Triton's JIT call itself runs the kernel
 
 
-def launch(fn, grid, args, consts, num_warps: int, device: torch.device) -> None:
-    """``fn[grid](*args, *consts, num_warps=num_warps, enable_fp_fusion=False)``: the prebuilt kernel (3 stages) where
-    there is one, else Triton's JIT. ``args``: the runtime arguments in order; ``consts``: the constexprs after them."""
+def launch(fn, grid, args, consts, num_warps: int, device: torch.device, num_stages: int = 3) -> None:
+    """``fn[grid](*args, *consts, num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False)`` on the
+    current device: the variant's prebuilt kernel where there is one, else Triton's JIT. ``args``: the runtime
+    arguments in order (an ``aot.Desc`` for a TMA descriptor); ``consts``: the constexprs after them."""
     global _direct_ok
     key = None
     if not INTERPRET:
         idx = device.index if device.index is not None else torch.cuda.current_device()
-        key = (fn, num_warps, idx, consts, _config.current.prebuilt) + tuple(_spec(a) for a in args)
+        key = (fn, num_warps, num_stages, idx, consts, _config.current.prebuilt) + tuple(_spec(a) for a in args)
         hit = _DIRECT_LAUNCH.get(key)
-        if hit is not None:
+        if hit is None:
+            run = _aot.find(fn.__name__, args, consts, num_warps, num_stages, idx)
+            hit = _JIT if run is None else (run, None, None)
+            if len(_DIRECT_LAUNCH) < 4096:
+                _DIRECT_LAUNCH[key] = hit
+        if hit is not _JIT:
             run, function, meta = hit
             if function is None:  # prebuilt
                 run(grid, args, _raw_stream(idx))
@@ -101,14 +94,11 @@ def launch(fn, grid, args, consts, num_warps: int, device: torch.device) -> None
                 run(grid[0], grid[1] if len(grid) > 1 else 1, 1, _raw_stream(idx), function, meta, None, None, None,
                     *args, *consts)
                 return
-        else:
-            aot = _aot.find(fn.__name__, args, consts, num_warps, 3, idx)
-            if aot is not None:
-                _DIRECT_LAUNCH[key] = (aot, None, None)
-                aot(grid, args, _raw_stream(idx))
-                return
-    compiled = fn[grid](*args, *consts, num_warps=num_warps, enable_fp_fusion=False)
-    if key is not None and _direct_ok:
+    descs = any(isinstance(a, _aot.Desc) for a in args)
+    if descs:
+        args = [TensorDescriptor(a.base, a.shape, a.strides, a.block) if isinstance(a, _aot.Desc) else a for a in args]
+    compiled = fn[grid](*args, *consts, num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False)
+    if key is not None and _direct_ok and not descs and key in _DIRECT_LAUNCH:
         try:
             _DIRECT_LAUNCH[key] = (compiled.run, compiled.function, compiled.packed_metadata)
         except Exception:  # another Triton's CompiledKernel: keep its own launch path
