@@ -1,5 +1,5 @@
 """Hub layers for ``kernels.kernelize`` (:class:`runtime.library.HubLayer`): only ``forward``, with the host's
-signature; state comes from the host module (the annotations name it)."""
+signature; state comes from the host module (the annotations name it, with those of the layer a layer extends)."""
 
 from typing import Callable
 
@@ -68,43 +68,31 @@ class GeGLUMLP(HubLayer):
         return down_proj(gated_proj(act, gate_proj(x), up_proj, x))
 
 
-class GeGLUMLPWithDropout(HubLayer):
+class GeGLUMLPWithDropout(GeGLUMLP):
     """``x -> down_proj(dropout(act_fn(gate_proj(x)) * up_proj(x)))``, the host's dropout (T5Gemma, T5Gemma 2, Gte)."""
 
-    gate_proj: nn.Module
-    up_proj: nn.Module
-    down_proj: nn.Module
-    act_fn: nn.Module
     dropout: nn.Module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.dropout(gated_proj(self.act_fn, self.gate_proj(x), self.up_proj, x)))
 
 
-class GeGLUSelfConditioning(HubLayer):
+class GeGLUSelfConditioning(GeGLUMLP):
     """DiffusionGemma's self-conditioning: ``(e, signal) -> post_norm(e + mlp(pre_norm(signal)))``, with the host's
     norms and :class:`GeGLUMLP`'s computation as ``mlp``."""
 
     pre_norm: nn.Module
     post_norm: nn.Module
-    gate_proj: nn.Module
-    up_proj: nn.Module
-    down_proj: nn.Module
-    act_fn: nn.Module
 
     def forward(self, inputs_embeds: torch.Tensor, self_conditioning_signal: torch.Tensor) -> torch.Tensor:
         normed = self.pre_norm(self_conditioning_signal)
         return self.post_norm(inputs_embeds + GeGLUMLP.forward(self, normed))
 
 
-class Gemma3nGeGLUMLP(HubLayer):
+class Gemma3nGeGLUMLP(GeGLUMLP):
     """Gemma 3n's text MLP: :class:`GeGLUMLP`'s formula, the gate first through the host's ``_gaussian_topk`` where
     ``activation_sparsity > 0`` (then no in-place backward: the top-k's ReLU saves the gate it would overwrite)."""
 
-    gate_proj: nn.Module
-    up_proj: nn.Module
-    down_proj: nn.Module
-    act_fn: nn.Module
     activation_sparsity: float
     _gaussian_topk: Callable[[torch.Tensor], torch.Tensor]
 
@@ -134,14 +122,8 @@ class T5GeGLUDense(HubLayer):
         return self.wo(hidden_states)
 
 
-class LongT5GeGLUDense(HubLayer):
+class LongT5GeGLUDense(T5GeGLUDense):
     """LongT5's gated feed-forward: :class:`T5GeGLUDense` without the cast to ``wo.weight.dtype``."""
-
-    wi_0: nn.Module
-    wi_1: nn.Module
-    wo: nn.Module
-    dropout: nn.Module
-    act: nn.Module
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.wo(self.dropout(gated_proj(self.act, self.wi_0(hidden_states), self.wi_1, hidden_states)))
