@@ -176,9 +176,18 @@ def test_no_gpu_name_or_commit_id_in_the_package():
 
 
 MAX_FILE_LINES = 400
+MAX_PACKAGE_LINES = 4600
 
 
 def test_no_file_of_the_package_is_over_400_lines():
     long = {str(p.relative_to(PACKAGE)): n for p in _modules().values() if (n := len(p.read_text().splitlines()))
             > MAX_FILE_LINES}
     assert not long, f"split these by concern (at most {MAX_FILE_LINES} lines a file): {long}"
+
+
+def test_the_package_is_at_most_4600_lines():
+    sizes = {str(p.relative_to(PACKAGE)): len(p.read_text().splitlines()) for p in _modules().values()}
+    total = sum(sizes.values())
+    largest = sorted(sizes.items(), key=lambda kv: -kv[1])[:5]
+    assert total <= MAX_PACKAGE_LINES, (f"the package holds {total} lines (at most {MAX_PACKAGE_LINES}): give a "
+                                        f"cut or a shared helper before adding; largest files {largest}")

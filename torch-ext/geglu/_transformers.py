@@ -162,13 +162,10 @@ def _repository_factory(repo_id, *, version, revision, lockfile, trust_remote_co
     if lockfile is not None:
         return lambda layer: LockedLayerRepository(repo_id, lockfile=Path(lockfile), layer_name=layer,
                                                    trust_remote_code=trust_remote_code)
-    if revision is not None:
-        return lambda layer: LayerRepository(repo_id, layer_name=layer, revision=revision,
-                                             trust_remote_code=trust_remote_code)
-    if version is None:
+    if not given:
         raise ValueError(f"register_transformers: repo_id={repo_id!r} needs version=N, revision=... or lockfile=....")
-    return lambda layer: LayerRepository(repo_id, layer_name=layer, version=version,
-                                         trust_remote_code=trust_remote_code)
+    pin = dict(revision=revision) if revision is not None else dict(version=version)
+    return lambda layer: LayerRepository(repo_id, layer_name=layer, trust_remote_code=trust_remote_code, **pin)
 
 
 def register_transformers(*, devices: Sequence[str] = ("cuda", "cpu"), register: bool = True, norms: bool = True,

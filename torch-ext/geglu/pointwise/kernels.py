@@ -211,14 +211,8 @@ def prebuild_launches() -> list:
     row_hints = ("N", "stride_g", "stride_u", "stride_o", "stride_dy", "stride_dg", "stride_du")
     for dt in ("bf16", "fp16", "fp32"):
         es = 4 if dt == "fp32" else 2
-        block, warps = FLAT_TILES[es]
-        flat_plans = []
-        while True:
-            flat_plans.append((block, warps))
-            if block <= 256:
-                break
-            block //= 2
-            warps = max(1, min(warps, block // 256))
+        largest, warps = FLAT_TILES[es]  # `_flat_plan` halves the block down to 256 elements
+        flat_plans = [(b, max(1, min(warps, b // 256))) for b in reversed(pow2_up_to(largest)) if b >= 256]
         per_program = 2048 if es <= 2 else 1024
         for tanh in (False, True):
             for block, warps in flat_plans:

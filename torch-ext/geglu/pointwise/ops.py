@@ -244,8 +244,7 @@ geglu_packed_backward_.register_fake(_check_packed_backward)
 @geglu_backward.register_fake
 def _(grad, gate, up, approximate):
     check_backward(grad, gate, up, approximate)
-    return (torch.empty(gate.shape, dtype=gate.dtype, device=gate.device),
-            torch.empty(gate.shape, dtype=gate.dtype, device=gate.device))
+    return gate.new_empty(gate.shape), gate.new_empty(gate.shape)
 
 
 @geglu_packed_backward.register_fake
