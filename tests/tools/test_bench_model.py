@@ -450,6 +450,14 @@ def test_serve_part_times_batch_1_prompt_lengths_through_one_dynamic_graph(build
     assert "| serve 11 | kernelized+compile |" in md and "| gemma3-4b | serve decode |" in md
 
 
+def test_serve_without_its_decode_ends_after_the_prefill_rows(build_dir, tmp_path):
+    res, md = _bench(build_dir, tmp_path, "--model", "gemma3-4b", "--parts", "serve", "--serve-lengths", "7",
+                     "--modes", "eager,kernelized", "--no-serve-decode", "--graph-lengths", "")
+    rows = res["models"][0]["rows"]
+    assert [r["part"] for r in rows] == ["serve 7"] and set(rows[0]["modes"]) == {"eager", "kernelized"}
+    assert "| serve 7 | kernelized |" in md and "| serve decode |" not in md
+
+
 def test_bad_serve_lengths_are_named(build_dir, tmp_path):
     proc = _run_bench(build_dir, tmp_path / "out", "--model", "gemma3-4b", "--parts", "serve",
                       "--serve-lengths", "64,x")

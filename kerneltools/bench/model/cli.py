@@ -31,6 +31,9 @@ def add_arguments(p) -> None:
                         "dynamic shapes)")
     p.add_argument("--serve-lengths", default=None,
                    help=f"comma-separated prompt lengths of the serve part (default {','.join(map(str, SERVE_LENGTHS))})")
+    p.add_argument("--no-serve-decode", action="store_true",
+                   help="end the serve part after its prefill rows (e.g. a run of the longer lengths beside one "
+                        "that times the decode)")
     p.add_argument("--modes", default=",".join(DEFAULT_MODES),
                    help=f"comma-separated, of {','.join(MODES)} (default {','.join(DEFAULT_MODES)}; copy and "
                         "copy+compile run a plain deep copy of the eager model: an A/A control of the benchmark)")

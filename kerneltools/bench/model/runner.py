@@ -18,12 +18,13 @@ def run_model(name: str, build_dir: Path, *, parts: list, modes: list, rounds: i
               tiny: bool, backend: str, new_tokens: int, graph_lengths: list, graph_backend: str,
               repo_id: str, profile: bool = False, compile_decode: bool = False, decode_batches=DECODE_BATCHES,
               log=print, on_row: Callable[[dict], None] | None = None, offset: int = 0,
-              call_cost_rounds: int = 0, layers: int | None = None, serve_lengths: tuple | None = None) -> dict:
+              call_cost_rounds: int = 0, layers: int | None = None, serve_lengths: tuple | None = None,
+              serve_decode: bool = True) -> dict:
     """Every part of one model; ``on_row`` gets the model's result as far as it got after each row (so that a run
     stopped half-way keeps what it measured); ``offset``: see ``run_part``; ``call_cost_rounds``: also time the
     compiled decoding step with its work taken out (:func:`call_cost`, causal models) in that many rounds; ``layers``:
     see ``build_models``; ``serve_lengths``: the prompt lengths of the serve part (default ``SERVE_LENGTHS``, tiny:
-    ``TINY_SERVE_LENGTHS``)."""
+    ``TINY_SERVE_LENGTHS``), followed by the short decode unless ``serve_decode`` is False."""
     import torch
 
     spec = MODELS[name]
@@ -38,7 +39,7 @@ def run_model(name: str, build_dir: Path, *, parts: list, modes: list, rounds: i
             lengths = serve_lengths or (TINY_SERVE_LENGTHS if tiny else SERVE_LENGTHS)
             # two lengths that no row times make the compiled forwards dynamic before the first row
             make_dynamic(s, modes, (lengths[0] // 2 + 1, lengths[0] // 2 + 2))
-            for n in [*lengths, None]:  # None: the short decode
+            for n in [*lengths, None] if serve_decode else lengths:  # None: the short decode
                 if n is None and spec.kind == "encoder":
                     continue
                 res["rows"].append(run_part(s, "serve", modes, rounds, reps, log=log, offset=offset, length=n))
@@ -148,7 +149,8 @@ def run_here(args, log=print) -> dict:
             decode_batches=batches,
             graph_backend=args.graph_backend, repo_id=args.repo_id, profile=args.profile,
             compile_decode=args.compile_decode, log=log, on_row=save_partial, offset=args.offset,
-            call_cost_rounds=args.call_cost, layers=args.layers, serve_lengths=serve_lengths))
+            call_cost_rounds=args.call_cost, layers=args.layers, serve_lengths=serve_lengths,
+            serve_decode=not getattr(args, "no_serve_decode", False)))
     if args.out is not None:
         write(result, args.out)
     return result
