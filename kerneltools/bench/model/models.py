@@ -166,18 +166,18 @@ class Setup:
     device: str
     dtype: Any
     tiny: bool
-    models: dict = field(default_factory=dict)  # "eager" / "kernelized" -> nn.Module
+    models: dict = field(default_factory=dict)  # "eager" / "kernelized" / "kernelized+compile" / "copy" -> nn.Module
     compiled: dict = field(default_factory=dict)  # same keys -> torch.compile(model.forward)
     optimizers: dict = field(default_factory=dict)
     new_tokens: int = 32
-    kernelized_mode: Any = None  # the Mode the kernelized model was last kernelized with
+    kernelized_mode: dict = field(default_factory=dict)  # kernelized model -> the Mode it was last kernelized with
     backend: str = "inductor"  # torch.compile backend of the compile modes
 
 
 def build_models(spec: ModelSpec, build_dir: Path, device: str, dtype, tiny: bool, backend: str,
                  repo_id: str, control: bool = False, layers: int | None = None) -> Setup:
-    """The eager model (random weights, seeded) and a kernelized deep copy (``control``: and a plain deep copy, the
-    copy modes' model); compiled forwards of each. ``layers`` overrides the config's number of layers."""
+    """The eager model (random weights, seeded), a kernelized deep copy, a second one over the same parameters for
+    kernelized+compile (``control``: and a plain deep copy, the copy modes' model); compiled forwards of each. ``layers`` overrides the config's number of layers."""
     import torch
     import transformers
     from kernels import Mode, kernelize
@@ -197,11 +197,17 @@ def build_models(spec: ModelSpec, build_dir: Path, device: str, dtype, tiny: boo
         eager = auto.from_config(config, dtype=dtype, attn_implementation=spec.attn)
     eager.eval()
     kern = copy.deepcopy(eager)
+    # the compile modes' kernelized model: its own modules over the same tensors, kernelized for compile only (as a
+    # user kernelizes a model once for the mode they run), so that the eager mode's kernelize never rebinds forwards
+    # of the model a compiled graph has traced
+    kern_c = copy.deepcopy(kern, memo={id(t): t for t in (*kern.parameters(), *kern.buffers())})
     kernelize(kern, mode=Mode.INFERENCE, device=device)
-    models = {"eager": eager, "kernelized": kern}
+    kernelize(kern_c, mode=Mode.INFERENCE | Mode.TORCH_COMPILE, device=device)
+    models = {"eager": eager, "kernelized": kern, "kernelized+compile": kern_c}
     if control:
         models["copy"] = copy.deepcopy(eager)
-    s = Setup(spec, device, dtype, tiny, models=models, kernelized_mode=Mode.INFERENCE, backend=backend)
+    s = Setup(spec, device, dtype, tiny, models=models, backend=backend,
+              kernelized_mode={"kernelized": Mode.INFERENCE, "kernelized+compile": Mode.INFERENCE | Mode.TORCH_COMPILE})
     for name, m in s.models.items():
         s.compiled[name] = torch.compile(own_code(m.forward, name), backend=backend)
     return s

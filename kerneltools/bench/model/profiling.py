@@ -9,8 +9,8 @@ import time
 
 from ..common import cache_arg, median, round_order
 from .models import Setup, own_code
-from .rounds import (_as_mode, _ids, _kernelize_for, _mode_model, _model_key, _round_ratios, _spread, _sync,
-                     _train_kwargs, make_part, prefill_kwargs)
+from .rounds import (_as_mode, _ids, _kernelize_for, _mode_model, _model_key, _opt_key, _round_ratios, _spread,
+                     _sync, _train_kwargs, make_part, prefill_kwargs)
 
 
 KERNEL_CATEGORIES = (  # (category, substrings of the CUDA kernel name), first match wins
@@ -106,7 +106,7 @@ def profile_part(s: Setup, part: str, modes: list, batch: int | None = None, len
                 nodes = {k: v for k, v in _autograd_nodes(loss).items() if "GeGLU" in k or "Gelu" in k
                          or "Mul" in k}
                 loss.backward()
-                s.optimizers[id(m)].zero_grad(set_to_none=True)
+                s.optimizers[_opt_key(m)].zero_grad(set_to_none=True)
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if s.device == "cuda" else [])
             with profile(activities=acts) as prof:
                 fn(m, compiled)
@@ -176,9 +176,9 @@ def count_graphs(s: Setup, lengths: list, backend: str) -> dict:
     from torch._dynamo.utils import counters
 
     out = {}
-    for name in ("eager", "kernelized"):
+    for name in ("eager", "kernelized+compile"):
         m = s.models[name]
-        _kernelize_for(s, "kernelized+compile" if name == "kernelized" else "compile", False)
+        _kernelize_for(s, "kernelized+compile" if name != "eager" else "compile", False)
         torch._dynamo.reset()
         counters.clear()
         cf = torch.compile(m.forward, backend=backend)
@@ -186,6 +186,6 @@ def count_graphs(s: Setup, lengths: list, backend: str) -> dict:
         for n in lengths:
             with torch.no_grad():
                 cf(**prefill_kwargs(s, m, _ids(s, 1, n, seed=n), dec))
-        out["compile" if name == "eager" else "kernelized+compile"] = int(counters["stats"]["unique_graphs"])
+        out["compile" if name == "eager" else name] = int(counters["stats"]["unique_graphs"])
     torch._dynamo.reset()
     return out

@@ -12,8 +12,16 @@ from .models import PARTS, TINY_SHAPES, Setup, own_code
 
 
 def _model_name(mode: str) -> str:
-    """The model a mode runs: "kernelized", "copy" or "eager"."""
-    return mode.split("+")[0] if mode.startswith(("kernelized", "copy")) else "eager"
+    """The model a mode runs: "kernelized", "kernelized+compile", "copy" or "eager"."""
+    if mode in ("kernelized", "kernelized+compile"):
+        return mode
+    return "copy" if mode.startswith("copy") else "eager"
+
+
+def _opt_key(m) -> int:
+    """The optimizer's key: the model's first parameter (the two kernelized models share their parameters, and so
+    one optimizer and its state)."""
+    return id(next(m.parameters()))
 
 
 def _mode_model(s: Setup, mode: str):
@@ -46,9 +54,10 @@ def _kernelize_for(s: Setup, mode: str, training: bool) -> None:
     m = Mode.TRAINING if training else Mode.INFERENCE
     if "compile" in mode:
         m = m | Mode.TORCH_COMPILE
-    if s.kernelized_mode != m:
-        kernelize(s.models["kernelized"], mode=m, device=s.device)
-        s.kernelized_mode = m
+    name = _model_name(mode)
+    if s.kernelized_mode.get(name) != m:
+        kernelize(s.models[name], mode=m, device=s.device)
+        s.kernelized_mode[name] = m
 
 
 def _ids(s: Setup, batch: int, seq: int, seed: int = 1):
@@ -110,7 +119,7 @@ def make_part(s: Setup, part: str, batch: int | None = None, length: int | None 
         b, n = kwargs["input_ids"].shape
 
         def fn(m, compiled=False):
-            opt = s.optimizers[id(m)]
+            opt = s.optimizers[_opt_key(m)]
             loss = m(**kwargs).loss
             loss.backward()
             opt.step()
@@ -257,8 +266,8 @@ def run_part(s: Setup, part: str, modes: list, rounds: int, reps: int, batch: in
     first, peaks, allocated, graphs, times = {}, {}, {}, {}, {mode: [] for mode in modes}
     for m in s.models.values():
         m.train(training)
-        if training and id(m) not in s.optimizers:
-            s.optimizers[id(m)] = torch.optim.AdamW(m.parameters(), lr=1e-6)
+        if training and _opt_key(m) not in s.optimizers:
+            s.optimizers[_opt_key(m)] = torch.optim.AdamW(m.parameters(), lr=1e-6)
     k = offset % len(modes)
     for mode in modes[k:] + modes[:k]:  # first call (compilation), then a warm-up
         _kernelize_for(s, mode, training)
