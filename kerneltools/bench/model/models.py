@@ -177,7 +177,8 @@ class Setup:
 def build_models(spec: ModelSpec, build_dir: Path, device: str, dtype, tiny: bool, backend: str,
                  repo_id: str, control: bool = False, layers: int | None = None) -> Setup:
     """The eager model (random weights, seeded), a kernelized deep copy, a second one over the same parameters for
-    kernelized+compile (``control``: and a plain deep copy, the copy modes' model); compiled forwards of each. ``layers`` overrides the config's number of layers."""
+    kernelized+compile (``control``: and a plain deep copy, the copy modes' model); compiled forwards of each.
+    ``layers`` overrides the config's number of layers."""
     import torch
     import transformers
     from kernels import Mode, kernelize
@@ -201,13 +202,13 @@ def build_models(spec: ModelSpec, build_dir: Path, device: str, dtype, tiny: boo
     # user kernelizes a model once for the mode they run), so that the eager mode's kernelize never rebinds forwards
     # of the model a compiled graph has traced
     kern_c = copy.deepcopy(kern, memo={id(t): t for t in (*kern.parameters(), *kern.buffers())})
-    kernelize(kern, mode=Mode.INFERENCE, device=device)
-    kernelize(kern_c, mode=Mode.INFERENCE | Mode.TORCH_COMPILE, device=device)
     models = {"eager": eager, "kernelized": kern, "kernelized+compile": kern_c}
+    kernelized_mode = {"kernelized": Mode.INFERENCE, "kernelized+compile": Mode.INFERENCE | Mode.TORCH_COMPILE}
+    for name, mode in kernelized_mode.items():
+        kernelize(models[name], mode=mode, device=device)
     if control:
         models["copy"] = copy.deepcopy(eager)
-    s = Setup(spec, device, dtype, tiny, models=models, backend=backend,
-              kernelized_mode={"kernelized": Mode.INFERENCE, "kernelized+compile": Mode.INFERENCE | Mode.TORCH_COMPILE})
+    s = Setup(spec, device, dtype, tiny, models=models, kernelized_mode=kernelized_mode, backend=backend)
     for name, m in s.models.items():
         s.compiled[name] = torch.compile(own_code(m.forward, name), backend=backend)
     return s
