@@ -48,6 +48,11 @@ def test_every_part_of_a_causal_model(build_dir, tmp_path):
     nodes = train["profile"]["kernelized"]["autograd_nodes"]
     assert nodes.get("GeGLUMLPFunctionBackward") == 2, nodes  # the MLP's training step ran as our node
     assert "GeluBackward0" in train["profile"]["eager"]["autograd_nodes"]
+    for r in rows:  # the host side of the profiled call: its wall time and the ops that took it
+        for p in r["profile"].values():
+            assert p["host_ms"] > 0 and p["host_top"], p
+            assert all(ms <= p["host_ms"] and n >= 1 for _, ms, n in p["host_top"]), p["host_top"]
+    assert "Host ops by self time, ms (calls):" in md
     for r in rows:
         assert r["modes"]["kernelized"]["tokens_per_s"] > 0
 
@@ -326,7 +331,7 @@ def test_profile_categories_and_gpu_time_report():
     prof = {mode: dict(gpu_ms=ms, idle_ms=1.0, categories={"gemm": ms - 1, "pointwise": 1.0}, top=[])
             for mode, ms in (("eager", 150.0), ("compile", 100.0), ("kernelized+compile", 95.0))}
     lines = _gpu_time(dict(part="prefill", profile=prof))
-    assert "| compile | 100.0 | 1.0 | gemm 99.0, pointwise 1.0 |" in lines
+    assert "| compile | 100.0 | 1.0 | – | gemm 99.0, pointwise 1.0 |" in lines
     assert lines[-1] == "GPU time: kernelized+compile / compile 0.950."
     assert _gpu_time(dict(part="prefill")) == []
 
@@ -355,7 +360,7 @@ def test_gpu_time_leaves_out_the_optimizers_annotation():
     assert kernel_time(prof["kernelized+compile"]) is prof["kernelized+compile"]
     row = dict(part="train", profile=prof)
     assert abs(_gpu_ratio(row, "kernelized+compile", "compile") - 150.0 / 130.0) < 1e-12
-    assert "| compile | 130.0 | 1.0 | gemm 70.0, optimizer 60.0 |" in _gpu_time(row)
+    assert "| compile | 130.0 | 1.0 | – | gemm 70.0, optimizer 60.0 |" in _gpu_time(row)
 
 
 def _summary_row(kern, copy, gpu_kern, gpu_host=100.0):

@@ -85,8 +85,10 @@ def _autograd_nodes(t) -> dict:
 
 
 def profile_part(s: Setup, part: str, modes: list, batch: int | None = None, length: int | None = None) -> dict:
-    """One call of the part per mode under torch.profiler: CUDA time by kernel category, the largest kernels, and
-    (training) the autograd nodes that recorded the MLPs."""
+    """One call of the part per mode under torch.profiler: CUDA time by kernel category, the largest kernels, the
+    call's wall time under the profiler (``host_ms``) with the host ops that took most of it by self time
+    (``host_top``: where a mode's host time goes when its GPU time equals its host's), and (training) the autograd
+    nodes that recorded the MLPs."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -109,8 +111,11 @@ def profile_part(s: Setup, part: str, modes: list, batch: int | None = None, len
                 s.optimizers[_opt_key(m)].zero_grad(set_to_none=True)
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if s.device == "cuda" else [])
             with profile(activities=acts) as prof:
+                t0 = time.perf_counter()
                 fn(m, compiled)
                 _sync(s)
+                host_ms = (time.perf_counter() - t0) * 1e3
+        host = sorted(((e.key, e.self_cpu_time_total, e.count) for e in prof.key_averages()), key=lambda kv: -kv[1])
         cats, kernels_, spans = {}, {}, []
         for e in prof.events():
             if e.device_type != torch.autograd.DeviceType.CUDA or is_annotation(e.name, e):
@@ -121,7 +126,9 @@ def profile_part(s: Setup, part: str, modes: list, batch: int | None = None, len
         top = sorted(kernels_.items(), key=lambda kv: -kv[1])[:8]
         out[mode] = dict(gpu_ms=round(sum(cats.values()) / 1e3, 2), idle_ms=_idle_ms(spans),
                          categories={k: round(v / 1e3, 2) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
-                         top=[(k[:90], round(v / 1e3, 2)) for k, v in top], autograd_nodes=nodes)
+                         top=[(k[:90], round(v / 1e3, 2)) for k, v in top], autograd_nodes=nodes,
+                         host_ms=round(host_ms, 2),
+                         host_top=[(k[:90], round(us / 1e3, 2), n) for k, us, n in host[:8] if us > 0])
     for m in s.models.values():
         m.eval()
     return out
