@@ -331,7 +331,7 @@ def test_profile_categories_and_gpu_time_report():
     prof = {mode: dict(gpu_ms=ms, idle_ms=1.0, categories={"gemm": ms - 1, "pointwise": 1.0}, top=[])
             for mode, ms in (("eager", 150.0), ("compile", 100.0), ("kernelized+compile", 95.0))}
     lines = _gpu_time(dict(part="prefill", profile=prof))
-    assert "| compile | 100.0 | 1.0 | – | gemm 99.0, pointwise 1.0 |" in lines
+    assert "| compile | 100.0 | 1.0 | – | – | gemm 99.0, pointwise 1.0 |" in lines
     assert lines[-1] == "GPU time: kernelized+compile / compile 0.950."
     assert _gpu_time(dict(part="prefill")) == []
 
@@ -360,7 +360,7 @@ def test_gpu_time_leaves_out_the_optimizers_annotation():
     assert kernel_time(prof["kernelized+compile"]) is prof["kernelized+compile"]
     row = dict(part="train", profile=prof)
     assert abs(_gpu_ratio(row, "kernelized+compile", "compile") - 150.0 / 130.0) < 1e-12
-    assert "| compile | 130.0 | 1.0 | – | gemm 70.0, optimizer 60.0 |" in _gpu_time(row)
+    assert "| compile | 130.0 | 1.0 | – | – | gemm 70.0, optimizer 60.0 |" in _gpu_time(row)
 
 
 def _summary_row(kern, copy, gpu_kern, gpu_host=100.0):

@@ -85,10 +85,10 @@ def _autograd_nodes(t) -> dict:
 
 
 def profile_part(s: Setup, part: str, modes: list, batch: int | None = None, length: int | None = None) -> dict:
-    """One call of the part per mode under torch.profiler: CUDA time by kernel category, the largest kernels, the
-    call's wall time under the profiler (``host_ms``) with the host ops that took most of it by self time
-    (``host_top``: where a mode's host time goes when its GPU time equals its host's), and (training) the autograd
-    nodes that recorded the MLPs."""
+    """One call of the part per mode under torch.profiler: CUDA time by kernel category, the largest kernels and how
+    many ran (each launch costs host time whatever the kernel's own time), the call's wall time under the profiler
+    (``host_ms``) with the host ops that took most of it by self time (``host_top``: where a mode's host time goes
+    when its GPU time equals its host's), and (training) the autograd nodes that recorded the MLPs."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -124,7 +124,7 @@ def profile_part(s: Setup, part: str, modes: list, batch: int | None = None, len
             kernels_[e.name] = kernels_.get(e.name, 0.0) + e.device_time
             spans.append((e.time_range.start, e.time_range.end))
         top = sorted(kernels_.items(), key=lambda kv: -kv[1])[:8]
-        out[mode] = dict(gpu_ms=round(sum(cats.values()) / 1e3, 2), idle_ms=_idle_ms(spans),
+        out[mode] = dict(gpu_ms=round(sum(cats.values()) / 1e3, 2), idle_ms=_idle_ms(spans), kernels=len(spans),
                          categories={k: round(v / 1e3, 2) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
                          top=[(k[:90], round(v / 1e3, 2)) for k, v in top], autograd_nodes=nodes,
                          host_ms=round(host_ms, 2),

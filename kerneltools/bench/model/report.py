@@ -133,18 +133,19 @@ def kernel_time(p: dict) -> dict:
 
 def _gpu_time(row: dict) -> list:
     """A row's ``--profile``: each mode's GPU time for one call by kernel category, its idle time (the GPU waiting
-    for the host), the call's wall time under the profiler and its largest host ops (profiles recorded before
-    these were kept show "–" and no host ops), and the GPU-time ratios that the wall-time ratios above mix with
-    host time."""
+    for the host), the call's wall time under the profiler, its kernel launches and its largest host ops (profiles
+    recorded before these were kept show "–" and no host ops), and the GPU-time ratios that the wall-time ratios
+    above mix with host time."""
     prof = row.get("profile")
     if not prof:
         return []
     lines = ["", f"{row['part']}, GPU time of one call (torch.profiler), ms:", "",
-             "| mode | GPU | idle | wall | by kernel category |", "|---|---|---|---|---|"]
+             "| mode | GPU | idle | wall | kernels | by kernel category |", "|---|---|---|---|---|---|"]
     for mode, p in prof.items():
         p = kernel_time(p)
         cats = ", ".join(f"{c} {t}" for c, t in sorted(p["categories"].items(), key=lambda kv: -kv[1]))
-        lines.append(f"| {mode} | {p['gpu_ms']} | {p['idle_ms']} | {p.get('host_ms', '–')} | {cats} |")
+        lines.append(f"| {mode} | {p['gpu_ms']} | {p['idle_ms']} | {p.get('host_ms', '–')} | {p.get('kernels', '–')} "
+                     f"| {cats} |")
     hosts = [f"- {mode}: " + ", ".join(f"{name} {ms} ({n})" for name, ms, n in p["host_top"][:5])
              for mode, p in prof.items() if p.get("host_top")]
     if hosts:

@@ -67,8 +67,8 @@ def run_model(name: str, build_dir: Path, *, parts: list, modes: list, rounds: i
                 on_row(res)
         if profile:
             for mode, p in res["rows"][-1]["profile"].items():
-                log(f"  profile {res['rows'][-1]['part']} {mode}: GPU {p['gpu_ms']} ms, idle {p['idle_ms']} ms "
-                    f"{p['categories']}"
+                log(f"  profile {res['rows'][-1]['part']} {mode}: GPU {p['gpu_ms']} ms, idle {p['idle_ms']} ms, "
+                    f"wall {p['host_ms']} ms, {p['kernels']} kernels {p['categories']}"
                     + (f" nodes {p['autograd_nodes']}" if p["autograd_nodes"] else ""))
     cmodes = [mo for mo in modes if "compile" in mo]
     if call_cost_rounds and spec.kind == "causal" and "compile" in cmodes:
