@@ -61,11 +61,8 @@ def main():
     from kerneltools.transformers_kernels import DEFAULT_REPO_ID
 
     spec = MODELS[args.model]
-    from kernels import Mode, kernelize
-
     s = build_models(spec, Path(args.build_dir), dev, torch.bfloat16, args.cpu, "inductor", DEFAULT_REPO_ID)
-    eager, kern = s.models["eager"], s.models["kernelized"]
-    kernelize(kern, mode=Mode.INFERENCE | Mode.TORCH_COMPILE, device=dev)
+    eager, kern = s.models["eager"], s.models["kernelized+compile"]  # kernelized for INFERENCE | TORCH_COMPILE
     ours = kern.model.rotary_emb.forward.__func__  # the layer kernelize bound
     if ours.__qualname__.rpartition(".")[0] not in ("RotaryEmbedding", "LayerTypeRotaryEmbedding"):
         raise SystemExit(f"error: the kernelized model's rotary embedding runs {ours.__qualname__}, not our layer: "
