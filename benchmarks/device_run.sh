@@ -23,6 +23,9 @@
 #               torch.compile with its default dynamic shapes, GPU time beside wall (SERVE_ARGS: extra options)
 #   hostcost    where a compiled kernelized forward's host time goes at a batch-1 prompt (benchmarks/host_cost_probe.py;
 #               HOSTCOST_ARGS: extra options, e.g. "--length 256,2048")
+#   peak        what is live at the peak of one compiled batch-1 prefill, compile against kernelized+compile
+#               (benchmarks/peak_probe.py; PEAK_ARGS: extra options, e.g. "--warm-lengths 33,34,64,256,1024,2048",
+#               the lengths the serve rows call before 4096; PEAK_TIMEOUT: its limit in seconds, default 300)
 #   pointwise   the pointwise kernels against eager, torch.compile and Liger, with the autograd rows
 #   mlp         the whole MLP layer
 #   moe         the Gemma 4 MoE experts benchmark
@@ -80,6 +83,8 @@ for s in "$@"; do
         --parts serve --modes eager,kernelized,compile,kernelized+compile --profile ${SERVE_ARGS:-} ;;
     hostcost) step hostcost 300 python3 benchmarks/host_cost_probe.py --build-dir build --out "$OUT/hostcost" \
         ${HOSTCOST_ARGS:-} ;;
+    peak) step peak "${PEAK_TIMEOUT:-300}" python3 benchmarks/peak_probe.py --build-dir build --out "$OUT/peak" \
+        ${PEAK_ARGS:-} ;;
     mlp) step mlp 300 python3 -m kerneltools bench --build-dir build --mlp-only --out "$OUT/mlp" ;;
     moe) step moe 200 python3 -m kerneltools.bench.moe --build-dir build --out "$OUT" ${MOE_ARGS:-} ;;
     profile) step profile 240 python3 -m kerneltools profile --build-dir build --out "$OUT" ;;
