@@ -3,10 +3,10 @@ model.
 
 Both forwards are made dynamic as a server's are (two other prompt lengths first; ``--warm-lengths`` names them,
 and any further lengths each forward is called with before, in order, as the model bench's serve rows do), then
-one call of each at ``--length`` tokens runs under the CUDA allocator's memory history. Replaying the history gives the moment of the
-peak (requested bytes above what was live before the call) and the allocations live then, grouped by the innermost
-Python frame that allocated them (Inductor's generated code names its buffers; an op's own allocations name its
-source line). Prints and writes (``--out``) each mode's peak and its largest groups.
+one call of each at ``--length`` tokens runs under the CUDA allocator's memory history. Replaying the history gives
+the moment of the peak (requested bytes above what was live before the call) and the allocations live then, grouped
+by the innermost Python frame that allocated them (Inductor's generated code names its buffers; an op's own
+allocations name its source line). Prints and writes (``--out``) each mode's peak and its largest groups.
 
 python3 benchmarks/peak_probe.py --build-dir build [--model gemma3-4b] [--length 4096] [--warm-lengths 33,34,64,...]
     [--out DIR]
@@ -85,8 +85,8 @@ def main(argv=None) -> int:
     modes = ["compile", "kernelized+compile"]
     make_dynamic(s, modes, tuple(warm[:2]))
     for n in warm[2:]:  # as the bench's rows: each length in every mode before the next
+        warm_fn, _, _ = make_part(s, "serve", length=n)
         for mode in modes:
-            warm_fn, _, _ = make_part(s, "serve", length=n)
             _kernelize_for(s, mode, False)
             made = counters["stats"]["unique_graphs"]
             with _as_mode(s, mode, "serve") as m:
