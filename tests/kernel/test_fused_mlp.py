@@ -412,7 +412,8 @@ def _through(mod, scale=None):
 def test_compiled_layer_runs_the_ops_fullgraph_with_eager_modes_results(geglu, fused, fresh_decisions, approximate,
                                                                         monkeypatch):
     """torch.compile(fullgraph=True) of the layer where the fused path may run for its rows: its graph calls the
-    inference op without a gradient (no other computation of its own) and, with one, the host's ops (linear, GELU,
+    gate/up op and the graph's own down projection without a gradient (no other computation of its own; the op's
+    [M, H] output is a buffer of the graph) and, with one, the host's ops (linear, GELU,
     product, linear: no op of ours); the results equal the same layer in eager mode bit for bit (the op makes the
     eager mode's run-time choices; the host's ops run as traced here), forward and every gradient."""
     mlp = fresh_decisions
@@ -424,7 +425,9 @@ def test_compiled_layer_runs_the_ops_fullgraph_with_eager_modes_results(geglu, f
     with torch.no_grad():
         assert torch.equal(f(x), m(x))
     ns = geglu.ops._name if hasattr(geglu.ops, "_name") else None
-    assert any(t.endswith("geglu_mlp.default") for t in _ops_in(graphs)), _ops_in(graphs)
+    ops = _ops_in(graphs)
+    assert any(t.endswith("geglu_gate_up.default") for t in ops), ops
+    assert not any(t.endswith("geglu_mlp.default") for t in ops) and "<built-in function linear>" in ops, ops
 
     graphs.clear()
     ours = _run(_through(f), x, *_weights(m), approximate)
@@ -463,7 +466,7 @@ def test_compiled_inference_calls_the_op_only_where_the_rule_may_fuse(geglu, fus
             before = len(graphs)
             assert torch.equal(f(x), m(x)), M
             calls[M] = len(graphs) - before
-    has_op = [any(t.endswith("geglu_mlp.default") for t in _ops_in([g])) for g in graphs]
+    has_op = [any(t.endswith("geglu_gate_up.default") for t in _ops_in([g])) for g in graphs]
     # 16: a static graph; 24: the dynamic graph below the rule; 96: the dynamic graph from the rule on
     assert has_op == [False, False, True], [sorted(_ops_in([g])) for g in graphs]
     assert calls == {16: 1, 24: 1, 96: 1, 130: 0, 63: 0, 64: 0, 40: 0}, calls
@@ -512,10 +515,33 @@ def test_compile_with_inductor_equals_eager_mode_and_the_compiled_host(geglu, fu
         assert err < 1e-2, f"{name}: relative error {err:.2e} against eager mode"
 
 
+def test_gate_up_op_is_the_inference_paths_first_half(geglu, fused, mlp, fresh_decisions, monkeypatch):
+    """geglu_gate_up gives the h that the whole inference op multiplies by w_down, bit for bit, on each side of the
+    fused path's rule: the fused kernel's output from the rule's rows on, eager's GEMMs around the pointwise op
+    below (then exactly ``geglu(F.linear(x, w_gate), F.linear(x, w_up))``); [..., D] inputs keep their leading
+    shape, and ``h @ w_down^T`` equals the whole op."""
+    _rule_from(mlp, monkeypatch, rows=64)
+    x, wg, wu, wd = _data(96, 32, 48, torch.bfloat16, seed=int(torch.randint(0, 2**31, ()).item()))
+    with torch.no_grad():
+        for rows, approximate in ((x, "tanh"), (x[:40], "none"), (x.view(2, 48, 32), "none")):
+            h = geglu.ops.geglu_gate_up(rows, wg, wu, approximate)
+            assert h.shape == rows.shape[:-1] + (48,)
+            whole = geglu.ops.geglu_mlp(rows, wg, wu, wd, approximate)
+            assert torch.equal(torch.mm(h.reshape(-1, 48), wd.t()).view(whole.shape), whole), rows.shape
+            if rows.shape[0] == 40:
+                ref = geglu.geglu(F.linear(rows, wg), F.linear(rows, wu), approximate=approximate)
+                assert torch.equal(h, ref)
+            else:
+                ref = mlp._fused_gate_up(rows.reshape(-1, 32), wg, wu, approximate).view(h.shape)
+                assert torch.equal(h, ref)
+
+
 def test_opcheck(geglu, mlp):
     x, wg, wu, wd = _data(24, 32, 48, torch.bfloat16)
     torch.library.opcheck(geglu.ops.geglu_mlp.default, (x, wg, wu, wd, "tanh"))
     torch.library.opcheck(geglu.ops.geglu_mlp.default, (x.view(2, 12, 32), wg, wu, wd, "none"))
+    torch.library.opcheck(geglu.ops.geglu_gate_up.default, (x, wg, wu, "tanh"))
+    torch.library.opcheck(geglu.ops.geglu_gate_up.default, (x.view(2, 12, 32), wg, wu, "none"))
     leaves = [t.clone().requires_grad_() for t in (x, wg, wu, wd)]
     torch.library.opcheck(geglu.ops.geglu_mlp_train.default, (*leaves, "none"))
     torch.library.opcheck(geglu.ops.geglu_mlp_train.default, (leaves[0].view(2, 12, 32), *leaves[1:], "tanh"))
@@ -542,15 +568,17 @@ def _python_frames(fn):
 
 
 def test_compiled_graphs_call_the_mlp_ops_without_python_wrappers(geglu, mlp):
-    """A compiled graph calls the inference op once per MLP layer: the dispatcher must go straight to our
-    implementation, with none of torch.library.custom_op's Python layers around it (its autograd kernel and output
-    alias check, ~5 µs a call on the build machine: `runtime/library.py`). The training op keeps its autograd kernel and
-    nothing else."""
+    """A compiled graph calls the gate/up op once per MLP layer (and eager tracing the whole inference op): the
+    dispatcher must go straight to our implementation, with none of torch.library.custom_op's Python layers around
+    it (its autograd kernel and output alias check, ~5 µs a call on the build machine: `runtime/library.py`). The
+    training op keeps its autograd kernel and nothing else."""
     x, wg, wu, wd = _data(24, 32, 48, torch.bfloat16)
-    with torch.no_grad():
-        frames = _python_frames(lambda: geglu.ops.geglu_mlp.default(x, wg, wu, wd, "tanh"))
-    assert any(f.endswith("mlp/inference.py") for f in frames), frames  # our implementation ran
-    assert not [f for f in frames if f"torch{os.sep}_library" in f], frames
+    for call in (lambda: geglu.ops.geglu_mlp.default(x, wg, wu, wd, "tanh"),
+                 lambda: geglu.ops.geglu_gate_up.default(x, wg, wu, "tanh")):
+        with torch.no_grad():
+            frames = _python_frames(call)
+        assert any(f.endswith("mlp/inference.py") for f in frames), frames  # our implementation ran
+        assert not [f for f in frames if f"torch{os.sep}_library" in f], frames
     leaves = [t.clone().requires_grad_() for t in (x, wg, wu, wd)]
     with torch.no_grad():
         frames = _python_frames(lambda: geglu.ops.geglu_mlp_train.default(*leaves, "tanh"))
@@ -590,6 +618,13 @@ def test_ops_refuse_bad_input_with_messages(geglu):
         op(x, wg.half(), wu, wd, "none")
     with pytest.raises(TypeError, match="expected float32, float16 or bfloat16"):
         op(x.int(), wg, wu, wd, "none")
+    gate_up = geglu.ops.geglu_gate_up
+    with pytest.raises(ValueError, match="approximate='erf' is not supported"):
+        gate_up(x, wg, wu, "erf")
+    with pytest.raises(ValueError, match=r"must both be \[H, D\]"):
+        gate_up(x, wg, wu[:, :16], "none")
+    with pytest.raises(ValueError, match="w_up is torch.float16 on"):
+        gate_up(x, wg, wu.half(), "none")
 
 
 # --- GPU, real shapes -----------------------------------------------------------------------------------------------
@@ -667,6 +702,7 @@ def test_gpu_opcheck_and_inductor_real_shape(geglu, fresh_decisions):
     xl, wg, wu, wd = _data(2048, 2304, 9216, torch.bfloat16, device="cuda")
     x = xl[:1024]
     torch.library.opcheck(geglu.ops.geglu_mlp.default, (x, wg, wu, wd, "tanh"))
+    torch.library.opcheck(geglu.ops.geglu_gate_up.default, (x, wg, wu, "none"))
     torch.library.opcheck(geglu.ops.geglu_mlp_train.default,
                           (*[t.clone().requires_grad_() for t in (x, wg, wu, wd)], "none"))
     m, _ = _layer(geglu, 2304, 9216, torch.bfloat16, "tanh", M=8)

@@ -1,6 +1,7 @@
 """``GeGLUMLP`` without a gradient: :func:`regular` (eager's GEMMs around the pointwise kernel) or the fused gate/up
 GEMM (``mlp.kernels``) where the ``fused_mlp`` setting and :func:`fused_rule` allow it; ``geglu_mlp_op``, the same
-as an operator, chooses when it runs.
+as an operator, chooses when it runs; ``geglu_gate_up_op``, its gate/up half as an operator, is what a compiled
+graph calls (its [..., H] output is then a buffer of the graph, which Inductor's memory planning sees).
 """
 
 from typing import Optional, Tuple
@@ -103,18 +104,36 @@ def _fused_inference(x, w_gate, w_up, w_down, approximate) -> Optional[Tensor]:
 
 def fused_forward(x2: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, approximate: str) -> Tensor:
     """x2 [M, D] -> [M, D_out]: the fused gate/up GEMM, then ``h @ w_down^T``."""
-    h = _kernels().gate_up_geglu(x2.contiguous(), _unit_last(w_gate), _unit_last(w_up), is_tanh(approximate))
-    return torch.mm(h, w_down.t())
+    return torch.mm(_fused_gate_up(x2, w_gate, w_up, approximate), w_down.t())
+
+
+def _fused_gate_up(x2: Tensor, w_gate: Tensor, w_up: Tensor, approximate: str) -> Tensor:
+    """x2 [M, D] -> h [M, H] = ``gelu(x2 @ w_gate^T, approximate) * (x2 @ w_up^T)`` by the fused kernel."""
+    return _kernels().gate_up_geglu(x2.contiguous(), _unit_last(w_gate), _unit_last(w_up), is_tanh(approximate))
+
+
+def gate_up(x: Tensor, w_gate: Tensor, w_up: Tensor, approximate: str) -> Tensor:
+    """x [..., D] -> h [..., H]: :func:`inference`'s gate/up half, bit for bit (the fused kernel where the
+    ``fused_mlp`` setting and :func:`fused_rule` allow it, else eager's GEMMs around the pointwise kernel)."""
+    D, H = x.shape[-1], w_gate.shape[0]
+    x2 = x.reshape(-1, D)
+    if (_config.current.fused_mlp and x.dim() >= 2 and x2.shape[0] > DECODE_MAX_M and w_gate.shape == w_up.shape
+            and x.dtype == w_gate.dtype == w_up.dtype and fused_kernel_applies(x2)
+            and fused_rule(x2.shape[0], D, H, x.device)):
+        return _fused_gate_up(x2, w_gate, w_up, approximate).view(x.shape[:-1] + (H,))
+    return _pw.geglu_impl(F.linear(x, w_gate), F.linear(x, w_up), approximate)
 
 
 def _unit_last(w: Tensor) -> Tensor:
     return w if w.stride(-1) == 1 else w.contiguous()
 
 
-def _check(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, approximate: str) -> None:
-    """TypeError for a non-float dtype; ValueError for a bad ``approximate``, mixed dtypes/devices or shapes."""
+def _check(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Optional[Tensor], approximate: str) -> None:
+    """TypeError for a non-float dtype; ValueError for a bad ``approximate``, mixed dtypes/devices or shapes
+    (``w_down`` None: the gate/up half's arguments only)."""
     check_approximate(approximate)
-    for name, t in (("x", x), ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+    named = (("x", x), ("w_gate", w_gate), ("w_up", w_up)) + ((("w_down", w_down),) if w_down is not None else ())
+    for name, t in named:
         if t.dtype not in _FLOATS:
             raise TypeError(f"geglu_mlp: {name} has dtype {t.dtype}; expected float32, float16 or bfloat16.")
         if t.dtype != x.dtype or t.device != x.device:
@@ -125,7 +144,7 @@ def _check(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, approximate:
     if w_gate.dim() != 2 or w_gate.shape != w_up.shape or w_gate.shape[1] != x.shape[-1]:
         raise ValueError(f"geglu_mlp: w_gate {tuple(w_gate.shape)} and w_up {tuple(w_up.shape)} must both be [H, D] "
                          f"(nn.Linear(D, H).weight) with D = {x.shape[-1]}, x's last dim.")
-    if w_down.dim() != 2 or w_down.shape[1] != w_gate.shape[0]:
+    if w_down is not None and (w_down.dim() != 2 or w_down.shape[1] != w_gate.shape[0]):
         raise ValueError(f"geglu_mlp: w_down {tuple(w_down.shape)} must be [D_out, H] with H = {w_gate.shape[0]} "
                          "(nn.Linear(H, D_out).weight).")
 
@@ -141,3 +160,16 @@ def geglu_mlp_op(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, approx
 def _(x, w_gate, w_up, w_down, approximate):
     _check(x, w_gate, w_up, w_down, approximate)
     return x.new_empty(x.shape[:-1] + (w_down.shape[0],))
+
+
+@_library.op(add_op_namespace_prefix("geglu_gate_up"))
+def geglu_gate_up_op(x: Tensor, w_gate: Tensor, w_up: Tensor, approximate: str) -> Tensor:
+    """:func:`gate_up` after :func:`_check`: ``gelu(x @ w_gate^T, approximate) * (x @ w_up^T)``, [..., H]."""
+    _check(x, w_gate, w_up, None, approximate)
+    return gate_up(x, w_gate, w_up, approximate)
+
+
+@geglu_gate_up_op.register_fake
+def _(x, w_gate, w_up, approximate):
+    _check(x, w_gate, w_up, None, approximate)
+    return x.new_empty(x.shape[:-1] + (w_gate.shape[0],))
