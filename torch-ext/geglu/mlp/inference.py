@@ -1,7 +1,6 @@
 """``GeGLUMLP`` without a gradient: :func:`regular` (eager's GEMMs around the pointwise kernel) or the fused gate/up
-GEMM (``mlp.kernels``) where the ``fused_mlp`` setting and :func:`fused_rule` allow it; ``geglu_gate_up_op``, its
-gate/up half as an operator that chooses when it runs, is what graphs and tensor subclasses call before their own
-down projection (under torch.compile its [..., H] output is a buffer Inductor's memory planning sees).
+GEMM (``mlp.kernels``) where the ``fused_mlp`` setting and :func:`fused_rule` allow it; ``geglu_mlp_op``, the same
+as an operator, chooses when it runs.
 """
 
 from typing import Optional, Tuple
@@ -45,9 +44,9 @@ def regular(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, approximate
 
 
 def inference(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, approximate: str) -> Tensor:
-    """:func:`gate_up` (the fused gate/up GEMM where ``fused_mlp`` and :func:`fused_rule` allow it), then
-    ``F.linear(h, w_down)``: :func:`regular`'s bits where it does not fuse."""
-    return F.linear(gate_up(x, w_gate, w_up, approximate), w_down)
+    """The fused gate/up GEMM where ``fused_mlp`` and :func:`fused_rule` allow it, else :func:`regular`."""
+    y = _fused_inference(x, w_gate, w_up, w_down, approximate) if _config.current.fused_mlp else None
+    return y if y is not None else regular(x, w_gate, w_up, w_down, approximate)
 
 
 # per capability major, measured ahead of time: least rows and M*D*H of the fused path, least M*D*H to trace the op
@@ -78,7 +77,7 @@ def _traced_rule(dtype: torch.dtype, device: torch.device) -> Optional[Tuple[int
 
 
 def traced_op(x: Tensor, w_gate: Tensor) -> bool:
-    """Under torch.compile without a gradient: whether the graph calls :func:`geglu_gate_up_op` (else the host's ops);
+    """Under torch.compile without a gradient: whether the graph calls :func:`geglu_mlp_op` (else the host's ops);
     with dynamic shapes a guard on the symbolic row count."""
     rule = _traced_rule(x.dtype, x.device)
     if rule is None or x.dim() < 2 or w_gate.dim() != 2:
@@ -88,35 +87,34 @@ def traced_op(x: Tensor, w_gate: Tensor) -> bool:
     return M >= rule[0] and M * D * H >= rule[1]
 
 
+def _fused_inference(x, w_gate, w_up, w_down, approximate) -> Optional[Tensor]:
+    D = x.shape[-1]
+    if x.dim() < 2 or x.numel() <= DECODE_MAX_M * D:
+        return None  # decode sizes first: they are host-bound
+    H = w_gate.shape[0]
+    if not (w_gate.shape == w_up.shape == (H, D) and w_down.dim() == 2 and w_down.shape[1] == H
+            and x.dtype == w_gate.dtype == w_up.dtype == w_down.dtype):
+        return None
+    x2 = x.reshape(-1, D)
+    if not fused_kernel_applies(x2) or not fused_rule(x2.shape[0], D, H, x.device):
+        return None
+    return fused_forward(x2, w_gate, w_up, w_down, approximate).view(x.shape[:-1] + (w_down.shape[0],))
+
+
 def fused_forward(x2: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, approximate: str) -> Tensor:
     """x2 [M, D] -> [M, D_out]: the fused gate/up GEMM, then ``h @ w_down^T``."""
-    return torch.mm(_fused_gate_up(x2, w_gate, w_up, approximate), w_down.t())
+    h = _kernels().gate_up_geglu(x2.contiguous(), _unit_last(w_gate), _unit_last(w_up), is_tanh(approximate))
+    return torch.mm(h, w_down.t())
 
 
-def _fused_gate_up(x2: Tensor, w_gate: Tensor, w_up: Tensor, approximate: str) -> Tensor:
-    """x2 [M, D] -> h [M, H] = ``gelu(x2 @ w_gate^T, approximate) * (x2 @ w_up^T)`` by the fused kernel."""
-    w_gate, w_up = (w if w.stride(-1) == 1 else w.contiguous() for w in (w_gate, w_up))
-    return _kernels().gate_up_geglu(x2.contiguous(), w_gate, w_up, is_tanh(approximate))
+def _unit_last(w: Tensor) -> Tensor:
+    return w if w.stride(-1) == 1 else w.contiguous()
 
 
-def gate_up(x: Tensor, w_gate: Tensor, w_up: Tensor, approximate: str) -> Tensor:
-    """x [..., D] -> h [..., H] = ``gelu(x @ w_gate^T, approximate) * (x @ w_up^T)``: the fused kernel where
-    ``fused_mlp``, one dtype, [H, D] weights, :func:`fused_kernel_applies` and :func:`fused_rule` allow it (decode
-    sizes, host-bound, never), else eager's GEMMs around the pointwise op."""
-    D, H = x.shape[-1], w_gate.shape[0]
-    if (_config.current.fused_mlp and x.dim() >= 2 and x.numel() > DECODE_MAX_M * D
-            and w_gate.shape == w_up.shape == (H, D) and x.dtype == w_gate.dtype == w_up.dtype
-            and fused_kernel_applies(x2 := x.reshape(-1, D)) and fused_rule(x2.shape[0], D, H, x.device)):
-        return _fused_gate_up(x2, w_gate, w_up, approximate).view(x.shape[:-1] + (H,))
-    return _pw.geglu_impl(F.linear(x, w_gate), F.linear(x, w_up), approximate)
-
-
-def _check(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Optional[Tensor], approximate: str) -> None:
-    """TypeError for a non-float dtype; ValueError for a bad ``approximate``, mixed dtypes/devices or shapes
-    (``w_down`` None: the gate/up half's arguments only)."""
+def _check(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, approximate: str) -> None:
+    """TypeError for a non-float dtype; ValueError for a bad ``approximate``, mixed dtypes/devices or shapes."""
     check_approximate(approximate)
-    named = (("x", x), ("w_gate", w_gate), ("w_up", w_up)) + ((("w_down", w_down),) if w_down is not None else ())
-    for name, t in named:
+    for name, t in (("x", x), ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
         if t.dtype not in _FLOATS:
             raise TypeError(f"geglu_mlp: {name} has dtype {t.dtype}; expected float32, float16 or bfloat16.")
         if t.dtype != x.dtype or t.device != x.device:
@@ -127,19 +125,19 @@ def _check(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Optional[Tensor], ap
     if w_gate.dim() != 2 or w_gate.shape != w_up.shape or w_gate.shape[1] != x.shape[-1]:
         raise ValueError(f"geglu_mlp: w_gate {tuple(w_gate.shape)} and w_up {tuple(w_up.shape)} must both be [H, D] "
                          f"(nn.Linear(D, H).weight) with D = {x.shape[-1]}, x's last dim.")
-    if w_down is not None and (w_down.dim() != 2 or w_down.shape[1] != w_gate.shape[0]):
+    if w_down.dim() != 2 or w_down.shape[1] != w_gate.shape[0]:
         raise ValueError(f"geglu_mlp: w_down {tuple(w_down.shape)} must be [D_out, H] with H = {w_gate.shape[0]} "
                          "(nn.Linear(H, D_out).weight).")
 
 
-@_library.op(add_op_namespace_prefix("geglu_gate_up"))
-def geglu_gate_up_op(x: Tensor, w_gate: Tensor, w_up: Tensor, approximate: str) -> Tensor:
-    """:func:`gate_up` after :func:`_check`: ``gelu(x @ w_gate^T, approximate) * (x @ w_up^T)``, [..., H]."""
-    _check(x, w_gate, w_up, None, approximate)
-    return gate_up(x, w_gate, w_up, approximate)
+@_library.op(add_op_namespace_prefix("geglu_mlp"))
+def geglu_mlp_op(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, approximate: str) -> Tensor:
+    """:func:`inference` after :func:`_check`; the fused path is chosen when the op runs."""
+    _check(x, w_gate, w_up, w_down, approximate)
+    return inference(x, w_gate, w_up, w_down, approximate)
 
 
-@geglu_gate_up_op.register_fake
-def _(x, w_gate, w_up, approximate):
-    _check(x, w_gate, w_up, None, approximate)
-    return x.new_empty(x.shape[:-1] + (w_gate.shape[0],))
+@geglu_mlp_op.register_fake
+def _(x, w_gate, w_up, w_down, approximate):
+    _check(x, w_gate, w_up, w_down, approximate)
+    return x.new_empty(x.shape[:-1] + (w_down.shape[0],))

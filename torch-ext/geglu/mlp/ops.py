@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..runtime import backend as _backend
-from .inference import _check, geglu_gate_up_op, inference, traced_op
+from .inference import geglu_mlp_op, inference, traced_op
 from .training import _apply, geglu_mlp_train, host_bound, node_applies
 
 
@@ -30,10 +30,7 @@ def geglu_mlp(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, approxima
         return geglu_mlp_train(x, w_gate, w_up, w_down, approximate)[0]
     if torch.compiler.is_compiling() and not traced_op(x, w_gate):
         return _host(x, w_gate, w_up, w_down, approximate, act)
-    # the gate/up half as the op, the down projection as the caller's own GEMM: under torch.compile the [..., H]
-    # activation is then a buffer Inductor's memory planning sees, as the host's gate and up outputs are
-    _check(x, w_gate, w_up, w_down, approximate)
-    return F.linear(geglu_gate_up_op(x, w_gate, w_up, approximate), w_down)
+    return geglu_mlp_op(x, w_gate, w_up, w_down, approximate)
 
 
 def _host(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, approximate: str, act=None) -> Tensor:
