@@ -21,6 +21,9 @@
 #               its limit in seconds, default 560; SERVE_TIMEOUT likewise for serve)
 #   serve       batch-1 serving (prefill by prompt length, generate) of the Gemma 3 4B shape in the four modes,
 #               torch.compile with its default dynamic shapes, GPU time beside wall (SERVE_ARGS: extra options)
+#   serveab     the serve rows of build-before/ (another commit, built the same way) and then of build/, one process
+#               each on the same machine, compile and kernelized+compile (SERVE_ARGS as for serve; SERVE_TIMEOUT each;
+#               GEGLU_COMMIT_BEFORE labels build-before's report)
 #   hostcost    where a compiled kernelized forward's host time goes at a batch-1 prompt (benchmarks/host_cost_probe.py;
 #               HOSTCOST_ARGS: extra options, e.g. "--length 256,2048")
 #   peak        what is live at the peak of one compiled batch-1 prefill, compile against kernelized+compile
@@ -81,6 +84,12 @@ for s in "$@"; do
         --no-mlp --out "$OUT/pointwise" ;;
     serve) step serve "${SERVE_TIMEOUT:-560}" python3 -m kerneltools bench --build-dir build --out "$OUT/serve" --model gemma3-4b \
         --parts serve --modes eager,kernelized,compile,kernelized+compile --profile ${SERVE_ARGS:-} ;;
+    serveab) for b in build-before build; do
+        label=${GEGLU_COMMIT:-}; [ "$b" = build-before ] && label=${GEGLU_COMMIT_BEFORE:-}
+        step "serve-$b" "${SERVE_TIMEOUT:-280}" env GEGLU_BUILD_DIR="$PWD/$b" GEGLU_COMMIT="$label" \
+          python3 -m kerneltools bench --build-dir "$b" \
+          --out "$OUT/serve-$b" --model gemma3-4b --parts serve --modes compile,kernelized+compile --profile ${SERVE_ARGS:-}
+      done ;;
     hostcost) step hostcost 300 python3 benchmarks/host_cost_probe.py --build-dir build --out "$OUT/hostcost" \
         ${HOSTCOST_ARGS:-} ;;
     peak) step peak "${PEAK_TIMEOUT:-300}" python3 benchmarks/peak_probe.py --build-dir build --out "$OUT/peak" \
