@@ -63,6 +63,11 @@ step() {  # step NAME SECONDS COMMAND...
   echo "=== $name rc=$rc"
 }
 
+serve() {  # serve NAME BUILD SECONDS MODES COMMIT: the serve benchmark of the Gemma 3 4B shape on BUILD's variant
+  step "$1" "$3" env GEGLU_BUILD_DIR="$PWD/$2" GEGLU_COMMIT="$5" python3 -m kerneltools bench --build-dir "$2" \
+    --out "$OUT/$1" --model gemma3-4b --parts serve --modes "$4" --profile ${SERVE_ARGS:-}
+}
+
 for s in "$@"; do
   case $s in
     tests) step tests 420 python3 -m pytest tests/kernel -q -p no:cacheprovider -m gpu ;;
@@ -82,14 +87,10 @@ for s in "$@"; do
     model) step model "${MODEL_TIMEOUT:-560}" python3 -m kerneltools bench --build-dir build --out "$OUT/model" ${MODEL_ARGS:---model all} ;;
     pointwise) step pointwise 560 python3 -m kerneltools bench --build-dir build --dtype bfloat16 --no-max-autotune \
         --no-mlp --out "$OUT/pointwise" ;;
-    serve) step serve "${SERVE_TIMEOUT:-560}" python3 -m kerneltools bench --build-dir build --out "$OUT/serve" --model gemma3-4b \
-        --parts serve --modes eager,kernelized,compile,kernelized+compile --profile ${SERVE_ARGS:-} ;;
-    serveab) for b in build-before build; do
-        label=${GEGLU_COMMIT:-}; [ "$b" = build-before ] && label=${GEGLU_COMMIT_BEFORE:-}
-        step "serve-$b" "${SERVE_TIMEOUT:-280}" env GEGLU_BUILD_DIR="$PWD/$b" GEGLU_COMMIT="$label" \
-          python3 -m kerneltools bench --build-dir "$b" \
-          --out "$OUT/serve-$b" --model gemma3-4b --parts serve --modes compile,kernelized+compile --profile ${SERVE_ARGS:-}
-      done ;;
+    serve) serve serve build "${SERVE_TIMEOUT:-560}" eager,kernelized,compile,kernelized+compile "${GEGLU_COMMIT:-}" ;;
+    serveab) serve serve-build-before build-before "${SERVE_TIMEOUT:-280}" compile,kernelized+compile \
+          "${GEGLU_COMMIT_BEFORE:-}"
+        serve serve-build build "${SERVE_TIMEOUT:-280}" compile,kernelized+compile "${GEGLU_COMMIT:-}" ;;
     hostcost) step hostcost 300 python3 benchmarks/host_cost_probe.py --build-dir build --out "$OUT/hostcost" \
         ${HOSTCOST_ARGS:-} ;;
     peak) step peak "${PEAK_TIMEOUT:-300}" python3 benchmarks/peak_probe.py --build-dir build --out "$OUT/peak" \
